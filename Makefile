@@ -1,0 +1,21 @@
+# The three commands README.md names: `make setup`, `make lab`, `make test`.
+# On a CPU machine `make setup` installs the CPU build of torch; on a GPU machine keep your CUDA build:
+#   make setup TORCH=torch
+PYTHON ?= python3
+VENV   ?= .venv
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+
+.PHONY: setup lab test student-notebooks
+
+setup:
+	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)"
+
+lab:
+	$(BIN)/jupyter lab notebooks/
+
+test:
+	$(BIN)/python -m pytest
+
+student-notebooks:
+	$(BIN)/python tools/make_student_notebooks.py

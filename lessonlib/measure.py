@@ -1,0 +1,141 @@
+"""Measuring: time per call, kernel launches per call, and the two ceilings (copy bandwidth, matmul rate).
+
+On the GPU, times are medians of ``triton.testing.do_bench`` (CUDA events, L2 flushed between runs). On CPU the
+kernels run in Triton's interpreter, whose time says nothing about GPU speed: such timings carry the label
+"interpreter time" and the notebooks never present them as performance.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from lessonlib import runtime
+
+
+@dataclass(frozen=True)
+class Timing:
+    median_us: float
+    on_gpu: bool
+
+    @property
+    def label(self) -> str:
+        return "GPU time" if self.on_gpu else "interpreter time (CPU, not performance)"
+
+    def __str__(self) -> str:
+        return f"{self.median_us:,.1f} µs ({self.label})"
+
+
+def time_fn(fn, *args, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 3, **kwargs) -> Timing:
+    """Median time of ``fn(*args, **kwargs)``."""
+    if runtime.on_gpu():
+        import triton.testing
+
+        ms = triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=warmup_ms, rep=rep_ms, return_mode="median")
+        return Timing(ms * 1e3, on_gpu=True)
+    fn(*args, **kwargs)  # warm-up, as on the GPU
+    samples = []
+    for _ in range(cpu_reps):
+        start = time.perf_counter()
+        fn(*args, **kwargs)
+        samples.append(time.perf_counter() - start)
+    return Timing(statistics.median(samples) * 1e6, on_gpu=False)
+
+
+# Operators that only relabel memory (views), allocate it, or dispatch to another operator: no kernel of their
+# own runs on a GPU. The operators they call are counted instead.
+_NO_KERNEL = {
+    "aten::view", "aten::reshape", "aten::_unsafe_view", "aten::_reshape_alias", "aten::t", "aten::transpose",
+    "aten::permute", "aten::expand", "aten::slice", "aten::select", "aten::chunk", "aten::split",
+    "aten::split_with_sizes", "aten::unsqueeze", "aten::squeeze", "aten::as_strided", "aten::detach",
+    "aten::alias", "aten::narrow", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::lift_fresh",
+    "aten::resolve_conj", "aten::resolve_neg", "aten::result_type", "aten::contiguous", "aten::to",
+    "aten::_to_copy", "aten::matmul", "aten::linear", "aten::set_",
+}
+
+
+@dataclass
+class LaunchCount:
+    total: int
+    by_name: Counter = field(default_factory=Counter)
+    what: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.total} {self.what}"
+
+
+def count_launches(fn, *args, **kwargs) -> LaunchCount:
+    """Kernels launched by one call of ``fn``, read from ``torch.profiler``.
+
+    GPU: the CUDA kernels the profiler records (cuBLAS, PyTorch's and Triton's kernels alike).
+    CPU: the outermost operators that launch a kernel on a GPU (views, allocations and dispatchers such as
+    ``aten::linear`` are looked through), plus lessonlib's Triton launches, which the interpreter records as
+    ``triton::<kernel>`` (the NumPy work inside them is not counted).
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    fn(*args, **kwargs)  # warm-up: compilation and autotuning stay out of the count
+    on_gpu = runtime.on_gpu()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        fn(*args, **kwargs)
+        if on_gpu:
+            torch.cuda.synchronize()
+    names: Counter = Counter()
+    if on_gpu:
+        for evt in prof.events():
+            if evt.device_type == torch.autograd.DeviceType.CUDA and not evt.name.startswith(("Memcpy", "Memset")):
+                names[evt.name] += 1
+        return LaunchCount(sum(names.values()), names, "GPU kernels")
+
+    def visit(evt):
+        if evt.name.startswith("triton::") or (evt.name.startswith("aten::") and evt.name not in _NO_KERNEL):
+            names[evt.name] += 1
+            return
+        for child in evt.cpu_children:
+            visit(child)
+
+    for evt in prof.events():
+        if evt.cpu_parent is None:
+            visit(evt)
+    return LaunchCount(sum(names.values()), names, "kernel launches (counted on CPU: operators that launch a GPU kernel)")
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The two numbers every kernel is judged against."""
+
+    bandwidth_gbs: float  # device-to-device copy, bytes read + written per second / 1e9
+    matmul_tflops: float  # bf16 GEMM
+    source: str  # "measured live on <GPU>" or the recorded run's provenance
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs per byte above which an op is compute-bound."""
+        return self.matmul_tflops * 1e12 / (self.bandwidth_gbs * 1e9)
+
+
+def measure_ceilings(copy_bytes: int = 2 << 30, matmul_size: int = 8192) -> Ceilings:
+    """Measure copy bandwidth and bf16 matmul rate on the current GPU (a few seconds)."""
+    import triton.testing
+
+    if not runtime.on_gpu():
+        raise RuntimeError("measure_ceilings needs a GPU; on CPU use lessonlib.results.recorded_ceilings()")
+    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
+    bandwidth = 2 * copy_bytes / (ms * 1e-3) / 1e9
+    del src, dst
+    a = torch.randn(matmul_size, matmul_size, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(matmul_size, matmul_size, dtype=torch.bfloat16, device="cuda")
+    ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
+    tflops = 2 * matmul_size**3 / (ms * 1e-3) / 1e12
+    return Ceilings(bandwidth, tflops, f"measured live on {torch.cuda.get_device_name()}")
+
+
+def gbps(nbytes: int, timing: Timing) -> float:
+    return nbytes / (timing.median_us * 1e-6) / 1e9

@@ -1,0 +1,55 @@
+"""What every launcher in lessonlib.ops shares: input validation before any launch, and the launch itself."""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from lessonlib import runtime
+
+
+def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
+    """Validate the tensors of one op call; return the first one (whose dtype and device the rest share).
+
+    Raises TypeError for non-tensors and unsupported or mixed dtypes, ValueError for mixed devices, the wrong
+    device for the current mode, and a last dimension that is not contiguous (the kernels read rows as one
+    contiguous run of elements; the other dimensions may have any stride).
+    """
+    first_name, first = next(iter(tensors.items()))
+    supported = runtime.supported_dtypes()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in supported:
+            hint = " (bfloat16 runs on the GPU only: Triton's interpreter has no bfloat16)" if t.dtype == torch.bfloat16 else ""
+            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported here: {', '.join(map(str, supported))}{hint}")
+        if t.dtype != first.dtype:
+            raise TypeError(f"{op}: mixed dtypes: {first_name} is {first.dtype} but {name} is {t.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{op}: tensors on different devices: {first_name} on {first.device}, {name} on {t.device}")
+        if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+            raise ValueError(f"{op}: {name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
+    expected = runtime.device().type
+    if first.device.type != expected:
+        where = "the GPU (mode 'gpu')" if expected == "cuda" else "the CPU (mode 'interpreter': no GPU)"
+        raise ValueError(f"{op}: tensors are on {first.device}, but kernels run on {where}")
+    return first
+
+
+def launch(kernel, grid, *args, **meta) -> None:
+    """kernel[grid](*args, **meta). In interpreter mode the launch is also named in torch.profiler traces, so launch
+    counts work on CPU; on the GPU Triton's kernels show up in the profiler by themselves, at no extra cost."""
+    if runtime.on_gpu():
+        kernel[grid](*args, **meta)
+    else:
+        with torch.profiler.record_function(f"triton::{kernel.fn.__name__}"):
+            kernel[grid](*args, **meta)
+
+
+def num_warps_for(block: int) -> int:
+    """Warps for a program handling `block` elements of a row: enough threads that each keeps a few 16-byte
+    vectors in flight. benchmarks/bench_fusion.py sweeps the alternatives on the GPU."""
+    return max(1, min(16, block // 256))
+
+
+next_power_of_2 = triton.next_power_of_2

@@ -1,0 +1,120 @@
+"""apply_rope: rotary position embedding on q and k in one kernel (Hugging Face's rotate_half convention).
+
+Eager PyTorch builds rotate_half with a slice, a negation and a concatenation, then two multiplies and an add, for
+q and again for k: about a dozen kernels and as many temporaries. The fused kernel reads each (b, t) row of
+cos/sin once, rotates every head of q and of k with it, and writes q_rot and k_rot once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # x[b, 0, t, 0]: first head of one (b, t) row
+    out_ptr,  # out[b, 0, t, 0]
+    n_heads,
+    x_head_stride,
+    out_head_stride,
+    half,  # head_dim // 2
+    cos1, cos2, sin1, sin2,  # (BLOCK_D,) float32: the two halves of this position's cos and sin rows
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    d = tl.arange(0, BLOCK_D)[None, :]
+    for h0 in range(0, n_heads, BLOCK_H):
+        h = (h0 + tl.arange(0, BLOCK_H))[:, None]
+        mask = (h < n_heads) & (d < half)
+        x_row = x_ptr + h * x_head_stride + d
+        out_row = out_ptr + h * out_head_stride + d
+        x1 = tl.load(x_row, mask=mask).to(tl.float32)
+        x2 = tl.load(x_row + half, mask=mask).to(tl.float32)
+        # rotate_half(x) = (-x2, x1), so x * cos + rotate_half(x) * sin is, half by half:
+        out1 = x1 * cos1 - x2 * sin1
+        out2 = x2 * cos2 + x1 * sin2
+        tl.store(out_row, out1.to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(out_row + half, out2.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _apply_rope_kernel(
+    q_ptr, k_ptr,  # (B, H, T, D) and (B, Hkv, T, D), any strides but the last
+    cos_ptr, sin_ptr,  # (B, T, D) views; stride 0 along B when one table serves every batch row
+    q_out_ptr, k_out_ptr,  # like q and k
+    seq_len, n_q_heads, n_kv_heads, half,
+    q_stride_b, q_stride_h, q_stride_t,
+    k_stride_b, k_stride_h, k_stride_t,
+    cos_stride_b, cos_stride_t,
+    sin_stride_b, sin_stride_t,
+    q_out_stride_b, q_out_stride_h, q_out_stride_t,
+    k_out_stride_b, k_out_stride_h, k_out_stride_t,
+    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0).to(tl.int64)  # one program per (b, t)
+    b = pid // seq_len
+    t = pid % seq_len
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < half
+    cos_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
+    sin_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    cos1 = tl.load(cos_row + d, mask=dmask).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + half + d, mask=dmask).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row + d, mask=dmask).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + half + d, mask=dmask).to(tl.float32)[None, :]
+    _rotate_heads(
+        q_ptr + b * q_stride_b + t * q_stride_t, q_out_ptr + b * q_out_stride_b + t * q_out_stride_t,
+        n_q_heads, q_stride_h, q_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D,
+    )
+    _rotate_heads(
+        k_ptr + b * k_stride_b + t * k_stride_t, k_out_ptr + b * k_out_stride_b + t * k_out_stride_t,
+        n_kv_heads, k_stride_h, k_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D,
+    )
+
+
+def _heads_block(n_heads: int, block_d: int) -> int:
+    # A tile of heads x half-dims of at most 4096 elements per half keeps registers in check.
+    return max(1, min(next_power_of_2(n_heads), 4096 // block_d))
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused rotary embedding; returns ``(q_rot, k_rot)`` like ``lessonlib.reference.apply_rope``.
+
+    q: (B, H, T, D); k: (B, Hkv, T, D); cos, sin: (T, D) or (B, T, D) (a leading 1 broadcasts). D must be even.
+    """
+    check_tensors("apply_rope", q=q, k=k, cos=cos, sin=sin)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be 4-D (B, H, T, D), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    batch, n_q_heads, seq_len, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(f"apply_rope: k {tuple(k.shape)} must match q {tuple(q.shape)} in B, T and D (heads may differ)")
+    if head_dim % 2:
+        raise ValueError(f"apply_rope: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    tables = {}
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() not in (2, 3) or tuple(table.shape[-2:]) != (seq_len, head_dim) or (
+            table.dim() == 3 and table.shape[0] not in (1, batch)
+        ):
+            raise ValueError(f"apply_rope: {name} must be (T, D) = ({seq_len}, {head_dim}) or (B, T, D) with B in (1, {batch}), got {tuple(table.shape)}")
+        tables[name] = table.expand(batch, seq_len, head_dim)  # stride 0 along B when broadcast
+    cos, sin = tables["cos"], tables["sin"]
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    if q.numel() == 0 or k.numel() == 0:
+        return q_out, k_out
+    half = head_dim // 2
+    block_d = next_power_of_2(half)
+    launch(
+        _apply_rope_kernel, (batch * seq_len,),
+        q, k, cos, sin, q_out, k_out, seq_len, n_q_heads, k.shape[1], half,
+        *q.stride()[:3], *k.stride()[:3], cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
+        *q_out.stride()[:3], *k_out.stride()[:3],
+        BLOCK_HQ=_heads_block(n_q_heads, block_d), BLOCK_HK=_heads_block(k.shape[1], block_d), BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return q_out, k_out

@@ -1,0 +1,141 @@
+"""The bytes-and-FLOPs model: what each kernel of an op must read and write, eager chain vs fused.
+
+Every number here is counted, not measured: each input read once and each output written once per kernel, the
+fewest bytes that kernel can move. Eager PyTorch runs one kernel per operator, so its chain writes every
+intermediate to memory and reads it back; a fused kernel keeps intermediates in registers. The notebooks set these
+counts beside profiler launch counts and measured times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FP32 = 4  # bytes of the float32 temporaries eager PyTorch creates for statistics
+
+
+@dataclass(frozen=True)
+class Kernel:
+    name: str
+    bytes_read: int
+    bytes_written: int
+    flops: int
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_read + self.bytes_written
+
+
+@dataclass(frozen=True)
+class Chain:
+    """The kernels one implementation of an op launches, in order."""
+
+    label: str
+    kernels: tuple[Kernel, ...]
+
+    @property
+    def launches(self) -> int:
+        return len(self.kernels)
+
+    @property
+    def bytes(self) -> int:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def flops(self) -> int:
+        return sum(k.flops for k in self.kernels)
+
+    @property
+    def intensity(self) -> float:
+        """FLOPs per byte of memory traffic."""
+        return self.flops / self.bytes
+
+    def time_floor_s(self, bandwidth_bytes_s: float, flops_s: float) -> float:
+        """Roofline floor: each kernel takes at least its bytes over bandwidth or its FLOPs over peak."""
+        return sum(max(k.bytes / bandwidth_bytes_s, k.flops / flops_s) for k in self.kernels)
+
+
+@dataclass(frozen=True)
+class OpTraffic:
+    op: str
+    shape: dict
+    eager: Chain
+    fused: Chain
+
+    @property
+    def byte_ratio(self) -> float:
+        """How many times fewer bytes the fused version moves."""
+        return self.eager.bytes / self.fused.bytes
+
+
+def swiglu(tokens: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
+    n = tokens * intermediate * itemsize
+    elems = tokens * intermediate
+    eager = Chain("eager", (
+        Kernel("silu(gate)", n, n, 4 * elems),  # exp, add, divide, multiply per element
+        Kernel("mul(·, up)", 2 * n, n, elems),
+    ))
+    fused = Chain("fused", (Kernel("swiglu", 2 * n, n, 5 * elems),))
+    return OpTraffic("swiglu", {"T": tokens, "I": intermediate}, eager, fused)
+
+
+def add_rms_norm(tokens: int, hidden: int, itemsize: int = 2) -> OpTraffic:
+    elems = tokens * hidden
+    n, f = elems * itemsize, elems * FP32
+    row = tokens * FP32  # one float32 statistic per row
+    upcast = itemsize != FP32  # .float() and .to(dtype) are no-ops for float32 inputs
+    kernels = [Kernel("add (x + residual)", 2 * n, n, elems)]
+    if upcast:
+        kernels.append(Kernel("to(float32)", n, f, 0))
+    kernels += [
+        Kernel("pow(2)", f, f, elems),
+        Kernel("mean", f, row, elems),
+        Kernel("add eps", row, row, tokens),
+        Kernel("rsqrt", row, row, tokens),
+        Kernel("mul(hidden, rstd)", f + row, f, elems),
+    ]
+    if upcast:
+        kernels.append(Kernel("to(dtype)", f, n, 0))
+    kernels.append(Kernel("mul(weight, ·)", n + hidden * itemsize, n, elems))
+    fused = Chain("fused", (Kernel("add_rms_norm", 2 * n + hidden * itemsize, 2 * n, 4 * elems),))
+    return OpTraffic("add_rms_norm", {"T": tokens, "H": hidden}, Chain("eager", tuple(kernels)), fused)
+
+
+def apply_rope(batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int, itemsize: int = 2) -> OpTraffic:
+    table = tokens * head_dim * itemsize  # one cos or sin table, broadcast over batch and heads
+    kernels, q_and_k = [], 0
+    for name, h in (("q", heads), ("k", kv_heads)):
+        n = batch * h * tokens * head_dim * itemsize
+        elems = batch * h * tokens * head_dim
+        q_and_k += n
+        kernels += [
+            Kernel(f"neg(second half of {name})", n // 2, n // 2, elems // 2),
+            Kernel(f"cat → rotate_half({name})", n, n, 0),
+            Kernel(f"{name} * cos", n + table, n, elems),
+            Kernel(f"rotate_half({name}) * sin", n + table, n, elems),
+            Kernel(f"add → {name}_rot", 2 * n, n, elems),
+        ]
+    fused = Chain("fused", (Kernel("apply_rope", q_and_k + 2 * table, q_and_k, 3 * q_and_k // itemsize),))
+    shape = {"B": batch, "H": heads, "Hkv": kv_heads, "T": tokens, "D": head_dim}
+    return OpTraffic("apply_rope", shape, Chain("eager", tuple(kernels)), fused)
+
+
+def gated_mlp(tokens: int, hidden: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
+    x, act, w = tokens * hidden * itemsize, tokens * intermediate * itemsize, hidden * intermediate * itemsize
+    gemm_flops = 2 * tokens * hidden * intermediate
+    act_elems = tokens * intermediate
+    eager = Chain("eager", (
+        Kernel("gate_proj GEMM", x + w, act, gemm_flops),
+        Kernel("up_proj GEMM", x + w, act, gemm_flops),
+        Kernel("silu(gate)", act, act, 4 * act_elems),
+        Kernel("mul(·, up)", 2 * act, act, act_elems),
+        Kernel("down_proj GEMM", act + w, x, gemm_flops),
+    ))
+    fused = Chain("fused", (
+        Kernel("gate_up_proj GEMM", x + 2 * w, 2 * act, 2 * gemm_flops),
+        Kernel("swiglu", 2 * act, act, 5 * act_elems),
+        Kernel("down_proj GEMM", act + w, x, gemm_flops),
+    ))
+    return OpTraffic("gated_mlp", {"T": tokens, "H": hidden, "I": intermediate}, eager, fused)
+
+
+OPS = {"swiglu": swiglu, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "gated_mlp": gated_mlp}

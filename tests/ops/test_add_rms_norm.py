@@ -1,0 +1,61 @@
+import pytest
+import torch
+
+from lessonlib import ops, reference
+from lessonlib.ops.add_rms_norm import MAX_ONE_PASS_COLS
+from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from tests.conftest import DEVICE, randn
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 4, 1000), (2, 5120), (1, 14336), (2, MAX_ONE_PASS_COLS + 777)])
+def test_add_rms_norm_matches_reference(shape, dtype):
+    x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, scale=4)
+    weight = randn(shape[-1], dtype=dtype)
+    with poisoned_outputs():
+        out, residual_out = ops.add_rms_norm(x, residual, weight, eps=1e-5)
+    truth = reference.add_rms_norm(*to_float64(x, residual, weight), eps=1e-5)
+    low = reference.add_rms_norm(x, residual, weight, eps=1e-5)
+    check_close("add_rms_norm normalized", out, truth[0], low[0])
+    # The updated residual is one rounded add: it must equal PyTorch's bit for bit.
+    torch.testing.assert_close(residual_out, low[1], rtol=0, atol=0)
+
+
+def test_add_rms_norm_strided_rows(dtype):
+    x = randn(6, 2 * 96, dtype=dtype)[:, :96]  # rows 192 apart
+    residual = randn(6, 96, dtype=dtype)
+    weight = randn(96, dtype=dtype)
+    with poisoned_outputs():
+        out, residual_out = ops.add_rms_norm(x, residual, weight)
+    check_close("add_rms_norm normalized", out, reference.add_rms_norm(*to_float64(x, residual, weight))[0],
+                reference.add_rms_norm(x, residual, weight)[0])
+    torch.testing.assert_close(residual_out, x + residual, rtol=0, atol=0)
+
+
+def test_add_rms_norm_does_not_modify_inputs():
+    x, residual, weight = randn(3, 64), randn(3, 64), randn(64)
+    before = [t.clone() for t in (x, residual, weight)]
+    ops.add_rms_norm(x, residual, weight)
+    for t, b in zip((x, residual, weight), before):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize(
+    "args, error, message",
+    [
+        (lambda: (randn(4, 8), randn(4, 9), randn(8)), ValueError, "same shape"),
+        (lambda: (randn(4, 8), randn(4, 8), randn(9)), ValueError, r"weight must have shape \(8,\)"),
+        (lambda: (randn(4, 8), randn(4, 8), randn(4, 8)), ValueError, "weight must have shape"),
+        (lambda: (randn(4, 8), randn(4, 8, dtype=torch.float16), randn(8)), TypeError, "mixed dtypes"),
+        (lambda: (randn(4, 8), randn(4, 8), randn(8, dtype=torch.float16)), TypeError, "mixed dtypes"),
+        (lambda: (randn(8, 4).t(), randn(4, 8), randn(8)), ValueError, "contiguous"),
+        (lambda: (torch.ones(4, 8, dtype=torch.int64, device=DEVICE),) * 2 + (torch.ones(8, dtype=torch.int64, device=DEVICE),), TypeError, "dtype"),
+    ],
+)
+def test_add_rms_norm_rejects_bad_input(args, error, message):
+    with pytest.raises(error, match=message):
+        ops.add_rms_norm(*args())
+
+
+def test_add_rms_norm_rejects_negative_eps():
+    with pytest.raises(ValueError, match="eps"):
+        ops.add_rms_norm(randn(2, 8), randn(2, 8), randn(8), eps=-1.0)

@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from lessonlib import ops, reference
+from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from tests.conftest import DEVICE, randn
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 5, 1000), (2, 2049), (4, 5120)])
+def test_swiglu_matches_reference(shape, dtype):
+    gate, up = randn(*shape, dtype=dtype, scale=3), randn(*shape, dtype=dtype)
+    with poisoned_outputs():
+        out = ops.swiglu(gate, up)
+    check_close("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up))
+
+
+def test_swiglu_on_strided_halves_of_one_projection(dtype):
+    # The combined gate/up GEMM's output, split in two views whose rows are 2I apart.
+    gate, up = randn(9, 2 * 300, dtype=dtype).chunk(2, dim=-1)
+    assert gate.stride(0) == 600 and not gate.is_contiguous()
+    with poisoned_outputs():
+        out = ops.swiglu(gate, up)
+    check_close("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up))
+
+
+def test_swiglu_empty():
+    assert ops.swiglu(randn(0, 8), randn(0, 8)).shape == (0, 8)
+
+
+@pytest.mark.parametrize(
+    "gate, up, error, message",
+    [
+        (lambda: randn(4, 8), lambda: randn(4, 9), ValueError, "same shape"),
+        (lambda: randn(4, 8), lambda: randn(4, 8, dtype=torch.float16), TypeError, "mixed dtypes"),
+        (lambda: torch.ones(4, 8, dtype=torch.int32, device=DEVICE), lambda: torch.ones(4, 8, dtype=torch.int32, device=DEVICE), TypeError, "dtype"),
+        (lambda: randn(8, 4).t(), lambda: randn(8, 4).t(), ValueError, "contiguous"),
+        (lambda: randn(4, 8), lambda: [1.0], TypeError, "torch.Tensor"),
+    ],
+)
+def test_swiglu_rejects_bad_input(gate, up, error, message):
+    with pytest.raises(error, match=message):
+        ops.swiglu(gate(), up())
+
+
+def test_swiglu_rejects_wrong_device():
+    if DEVICE.type == "cuda":
+        gate, up = randn(4, 8), torch.randn(4, 8)  # up left on the CPU
+        match = "different devices"
+    else:
+        gate, up = torch.randn(4, 8, device="meta"), torch.randn(4, 8, device="meta")
+        match = "kernels run on"
+    with pytest.raises(ValueError, match=match):
+        ops.swiglu(gate, up)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="bfloat16 is supported on the GPU")
+def test_swiglu_refuses_bfloat16_in_interpreter():
+    with pytest.raises(TypeError, match="bfloat16 runs on the GPU only"):
+        ops.swiglu(torch.randn(2, 4, dtype=torch.bfloat16), torch.randn(2, 4, dtype=torch.bfloat16))

@@ -1,0 +1,16 @@
+import torch
+
+from lessonlib import ops, reference
+from lessonlib.testing import check_close, to_float64
+from tests.conftest import DEVICE, randn
+
+
+def test_fused_gated_mlp_matches_reference(dtype):
+    mlp = reference.GatedMLP(48, 80, device=DEVICE, dtype=dtype)
+    x = randn(3, 5, 48, dtype=dtype)
+    with torch.no_grad():
+        fused = ops.FusedGatedMLP(mlp)(x)
+        low = mlp(x)
+        truth = reference.GatedMLP(48, 80, device=DEVICE, dtype=torch.float64)
+        truth.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
+        check_close("FusedGatedMLP", fused, truth(*to_float64(x)), low)
