@@ -46,6 +46,7 @@ def on_gpu() -> bool:
     return mode() == "gpu"
 
 
+@lru_cache(maxsize=None)
 def device() -> torch.device:
     """Where lessonlib's kernels expect their tensors: the current CUDA device, or the CPU for the interpreter."""
     return torch.device("cuda") if on_gpu() else torch.device("cpu")
@@ -59,6 +60,7 @@ def pick(*, cpu, gpu):
     return gpu if on_gpu() else cpu
 
 
+@lru_cache(maxsize=None)
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     """Floating dtypes the kernels accept here. Triton's interpreter has no bfloat16 (its bf16 ``tl.dot`` returns
     garbage), so the course keeps bf16 to the GPU everywhere."""

@@ -13,27 +13,33 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
 
     Raises TypeError for non-tensors and unsupported or mixed dtypes, ValueError for mixed devices, the wrong
     device for the current mode, and a last dimension that is not contiguous (the kernels read rows as one
-    contiguous run of elements; the other dimensions may have any stride).
+    contiguous run of elements; the other dimensions may have any stride). The passing path is kept short: at
+    decode sizes a launcher's Python time *is* the op's time.
     """
-    first_name, first = next(iter(tensors.items()))
     supported = runtime.supported_dtypes()
+    first_name, first = next(iter(tensors.items()))
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in supported:
-            hint = " (bfloat16 runs on the GPU only: Triton's interpreter has no bfloat16)" if t.dtype == torch.bfloat16 else ""
-            raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported here: {', '.join(map(str, supported))}{hint}")
-        if t.dtype != first.dtype:
-            raise TypeError(f"{op}: mixed dtypes: {first_name} is {first.dtype} but {name} is {t.dtype}")
-        if t.device != first.device:
-            raise ValueError(f"{op}: tensors on different devices: {first_name} on {first.device}, {name} on {t.device}")
-        if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
-            raise ValueError(f"{op}: {name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
-    expected = runtime.device().type
-    if first.device.type != expected:
-        where = "the GPU (mode 'gpu')" if expected == "cuda" else "the CPU (mode 'interpreter': no GPU)"
+        if t.dtype is not first.dtype or t.dtype not in supported or t.device != first.device or (
+            t.stride(-1) != 1 and t.shape[-1] > 1 if t.dim() else False
+        ):
+            _raise_for(op, first_name, first, name, t, supported)
+    if first.device.type != runtime.device().type:
+        where = "the GPU (mode 'gpu')" if runtime.on_gpu() else "the CPU (mode 'interpreter': no GPU)"
         raise ValueError(f"{op}: tensors are on {first.device}, but kernels run on {where}")
     return first
+
+
+def _raise_for(op, first_name, first, name, t, supported):
+    if t.dtype not in supported:
+        hint = " (bfloat16 runs on the GPU only: Triton's interpreter has no bfloat16)" if t.dtype == torch.bfloat16 else ""
+        raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported here: {', '.join(map(str, supported))}{hint}")
+    if t.dtype != first.dtype:
+        raise TypeError(f"{op}: mixed dtypes: {first_name} is {first.dtype} but {name} is {t.dtype}")
+    if t.device != first.device:
+        raise ValueError(f"{op}: tensors on different devices: {first_name} on {first.device}, {name} on {t.device}")
+    raise ValueError(f"{op}: {name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
 
 
 def launch(kernel, grid, *args, **meta) -> None:

@@ -25,8 +25,12 @@ def _swiglu_kernel(
     out_row_stride,
     BLOCK: tl.constexpr,  # columns per program
 ):
-    row = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # A 1-D grid walked row by row: programs launched together touch neighbouring memory. (A 2-D grid of
+    # (rows, column blocks) sends them to different rows instead.)
+    pid = tl.program_id(0)
+    blocks_per_row = tl.cdiv(n_cols, BLOCK)
+    row = (pid // blocks_per_row).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
     gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
@@ -48,7 +52,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n_cols = gate.shape[-1]
     gate2d, up2d, out2d = gate.reshape(-1, n_cols), up.reshape(-1, n_cols), out.view(-1, n_cols)
     block = min(next_power_of_2(n_cols), 2048)
-    grid = (gate2d.shape[0], triton.cdiv(n_cols, block))
+    grid = (gate2d.shape[0] * triton.cdiv(n_cols, block),)
     launch(
         _swiglu_kernel, grid,
         gate2d, up2d, out2d, n_cols, gate2d.stride(0), up2d.stride(0), out2d.stride(0),

@@ -59,3 +59,14 @@ def test_add_rms_norm_rejects_bad_input(args, error, message):
 def test_add_rms_norm_rejects_negative_eps():
     with pytest.raises(ValueError, match="eps"):
         ops.add_rms_norm(randn(2, 8), randn(2, 8), randn(8), eps=-1.0)
+
+
+def test_add_rms_norm_more_rows_than_programs(dtype):
+    # More rows than the grid has programs (on the GPU: PROGRAMS_PER_SM per multiprocessor), so each program
+    # walks several rows.
+    x, residual, weight = randn(1500, 33, dtype=dtype), randn(1500, 33, dtype=dtype), randn(33, dtype=dtype)
+    with poisoned_outputs():
+        out, residual_out = ops.add_rms_norm(x, residual, weight)
+    check_close("add_rms_norm normalized", out, reference.add_rms_norm(*to_float64(x, residual, weight))[0],
+                reference.add_rms_norm(x, residual, weight)[0])
+    torch.testing.assert_close(residual_out, x + residual, rtol=0, atol=0)
