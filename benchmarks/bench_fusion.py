@@ -139,14 +139,10 @@ def main():
     record("add_rms_norm", "torch.compile", shape, time_fn(compiled(reference.add_rms_norm), x, res, w).median_us, rn_bytes)
     out, res_out = torch.empty_like(x), torch.empty_like(x)
     block = next_power_of_2(H)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count if runtime.on_gpu() else 1
-    for per_sm in (1, 2, 4, 8, 16, 32, None):  # None: one program per row
-        programs = T if per_sm is None else min(T, per_sm * sms)
-        for warps in (2, 4, 8, 16):
-            def run(programs=programs, warps=warps):
-                _add_rms_norm_kernel[(programs,)](x, res, w, out, res_out, T, H, H, H, 1e-6, BLOCK=block, ONE_PASS=True, num_warps=warps)
-            label = f"sweep programs/SM={per_sm or 'one per row'} warps={warps}"
-            record("add_rms_norm", label, shape, time_fn(run).median_us, rn_bytes, sweep=True)
+    for warps in (1, 2, 4, 8, 16):
+        def run(warps=warps):
+            _add_rms_norm_kernel[(T,)](x, res, w, out, res_out, H, H, H, 1e-6, BLOCK=block, ONE_PASS=True, num_warps=warps)
+        record("add_rms_norm", f"sweep warps={warps}", shape, time_fn(run).median_us, rn_bytes, sweep=True)
     del x, res, w, out, res_out
 
     # --- small T: launch overhead ----------------------------------------------------------------------------
@@ -238,7 +234,7 @@ def main():
             for one_pass, block in ((True, width), (False, TWO_PASS_BLOCK)):
                 def run(one_pass=one_pass, block=block):
                     return _add_rms_norm_kernel[(rows,)](
-                        x, res, w, out, res_out, rows, width, width, width, 1e-6, BLOCK=block, ONE_PASS=one_pass, num_warps=16)
+                        x, res, w, out, res_out, width, width, width, 1e-6, BLOCK=block, ONE_PASS=one_pass, num_warps=16)
                 kernel = run()
                 us = time_fn(run).median_us
                 entry = {"H": width, "one_pass": one_pass, "BLOCK": block, "num_warps": 16, "us": round(us, 2),

@@ -7,22 +7,23 @@ writes the normalized output and the updated residual once: 4 passes over a (T, 
 
 from __future__ import annotations
 
-import functools
-
 import torch
-import triton
 import triton.language as tl
+import triton
 
-from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
-# updated residual: 16384 fp32 values is 32 per thread at 16 warps, beyond that the kernel would spill.
+# updated residual. Measured on the H200 (bench_fusion.py, register_pressure): one pass at 16 warps uses 58
+# registers per thread at 16384 columns and 127 at 32768, and spills at 65536, where it runs at half the bandwidth
+# of the two-pass kernel.
 MAX_ONE_PASS_COLS = 16384
 TWO_PASS_BLOCK = 4096
-# Programs per multiprocessor when a GPU has more rows than that: a placeholder until the sweep in
-# benchmarks/bench_fusion.py decides.
-PROGRAMS_PER_SM = 8
+ROW_WARPS = 2
+
+# One program per row. Tried on the H200 at T=8192, H=4096 bf16: a grid-stride loop with 1 to 32 programs per
+# multiprocessor (weight loaded once per program) reached 2,357 to 3,772 GB/s; one program per row, 3,755 to
+# 3,830 GB/s. Two warps per row was the best of 2, 4, 8, 16.
 
 
 @triton.jit
@@ -32,7 +33,6 @@ def _add_rms_norm_kernel(
     weight_ptr,  # (n_cols,)
     out_ptr,  # (n_rows, n_cols) contiguous: weight * rms_norm(x + residual)
     residual_out_ptr,  # (n_rows, n_cols) contiguous: x + residual, the next layer's residual stream
-    n_rows,
     n_cols,
     x_row_stride,
     residual_row_stride,
@@ -40,74 +40,49 @@ def _add_rms_norm_kernel(
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
 ):
-    # Each program walks rows pid, pid + n_programs, ... so the grid can be sized to the GPU rather than to the
-    # number of rows, and the weight is loaded once per program instead of once per row.
+    row = tl.program_id(0).to(tl.int64)
+    x_ptr += row * x_row_stride
+    residual_ptr += row * residual_row_stride
+    out_ptr += row * n_cols
+    residual_out_ptr += row * n_cols
     dtype = out_ptr.dtype.element_ty
-    pid = tl.program_id(0).to(tl.int64)  # int64: row * stride can pass 2**31
-    step = tl.num_programs(0).to(tl.int64)
-    x_ptr += pid * x_row_stride
-    residual_ptr += pid * residual_row_stride
-    out_ptr += pid * n_cols
-    residual_out_ptr += pid * n_cols
+
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
+        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        # Round the sum to the input dtype first: that *is* the residual stream, and the statistics are
+        # taken over it, exactly as the reference does.
+        h = (x + r).to(dtype)
+        tl.store(residual_out_ptr + cols, h, mask=mask)
+        h = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
         w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-        for _ in range(tl.program_id(0), n_rows, tl.num_programs(0)):
+        out = (h * rstd).to(dtype).to(tl.float32) * w
+        tl.store(out_ptr + cols, out.to(dtype), mask=mask)
+    else:
+        # Pass 1: write the updated residual, accumulate the sum of squares.
+        sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
             x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
             r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            # Round the sum to the input dtype first: that *is* the residual stream, and the statistic is taken
-            # over it, exactly as the reference does.
             h = (x + r).to(dtype)
             tl.store(residual_out_ptr + cols, h, mask=mask)
             h = h.to(tl.float32)
-            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
+            sum_sq += h * h
+        rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+        tl.debug_barrier()  # pass 2 reads back what pass 1 stored
+        # Pass 2: read the updated residual back (one extra read of the row) and normalize.
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            mask = cols < n_cols
+            h = tl.load(residual_out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
             out = (h * rstd).to(dtype).to(tl.float32) * w
             tl.store(out_ptr + cols, out.to(dtype), mask=mask)
-            x_ptr += step * x_row_stride
-            residual_ptr += step * residual_row_stride
-            out_ptr += step * n_cols
-            residual_out_ptr += step * n_cols
-    else:
-        for _ in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-            # Pass 1: write the updated residual, accumulate the sum of squares.
-            sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < n_cols
-                x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                h = (x + r).to(dtype)
-                tl.store(residual_out_ptr + cols, h, mask=mask)
-                h = h.to(tl.float32)
-                sum_sq += h * h
-            rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
-            tl.debug_barrier()  # pass 2 reads back what pass 1 stored
-            # Pass 2: read the updated residual back (one extra read of the row) and normalize.
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                mask = cols < n_cols
-                h = tl.load(residual_out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-                w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-                out = (h * rstd).to(dtype).to(tl.float32) * w
-                tl.store(out_ptr + cols, out.to(dtype), mask=mask)
-            x_ptr += step * x_row_stride
-            residual_ptr += step * residual_row_stride
-            out_ptr += step * n_cols
-            residual_out_ptr += step * n_cols
-
-
-def programs_for(n_rows: int) -> int:
-    """Grid size: one program per row, capped at PROGRAMS_PER_SM per multiprocessor on a GPU. In the interpreter
-    fewer programs also means fewer (slow) Python-level program runs."""
-    if runtime.on_gpu():
-        return min(n_rows, PROGRAMS_PER_SM * _multiprocessors())
-    return min(n_rows, 4)
-
-
-@functools.lru_cache(maxsize=None)
-def _multiprocessors() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def add_rms_norm(
@@ -127,15 +102,14 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm: eps must be >= 0, got {eps}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if x.numel() == 0:
+    if out.numel() == 0:
         return out, residual_out
-    x2d, residual2d = x.reshape(-1, n_cols), residual.reshape(-1, n_cols)
+    x2d, residual2d = (x, residual) if x.dim() == 2 else (x.reshape(-1, n_cols), residual.reshape(-1, n_cols))
     one_pass = n_cols <= MAX_ONE_PASS_COLS
     block = next_power_of_2(n_cols) if one_pass else TWO_PASS_BLOCK
-    n_rows = x2d.shape[0]
     launch(
-        _add_rms_norm_kernel, (programs_for(n_rows),),
-        x2d, residual2d, weight, out, residual_out, n_rows, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
-        BLOCK=block, ONE_PASS=one_pass, num_warps=num_warps_for(block),
+        _add_rms_norm_kernel, (x2d.shape[0],),
+        x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
+        BLOCK=block, ONE_PASS=one_pass, num_warps=ROW_WARPS if one_pass else 16,
     )
     return out, residual_out

@@ -13,6 +13,10 @@ import triton.language as tl
 
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for
 
+# Columns per program. Swept on the H200 at T=8192, I=14336 bf16 (1-D grid): 1024 to 4096 columns with 4 to 16
+# warps all reached 4,120-4,229 GB/s (copy: 4,151 GB/s for the same bytes), except 16 warps on 1024-2048 columns.
+BLOCK = 2048
+
 
 @triton.jit
 def _swiglu_kernel(
@@ -50,12 +54,12 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if out.numel() == 0:
         return out
     n_cols = gate.shape[-1]
-    gate2d, up2d, out2d = gate.reshape(-1, n_cols), up.reshape(-1, n_cols), out.view(-1, n_cols)
-    block = min(next_power_of_2(n_cols), 2048)
-    grid = (gate2d.shape[0] * triton.cdiv(n_cols, block),)
+    # At decode sizes each of these Python-level tensor calls costs microseconds: skip them for 2-D inputs.
+    gate2d, up2d = (gate, up) if gate.dim() == 2 else (gate.reshape(-1, n_cols), up.reshape(-1, n_cols))
+    block = min(next_power_of_2(n_cols), BLOCK)
     launch(
-        _swiglu_kernel, grid,
-        gate2d, up2d, out2d, n_cols, gate2d.stride(0), up2d.stride(0), out2d.stride(0),
+        _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, block),),
+        gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols,
         BLOCK=block, num_warps=num_warps_for(block),
     )
     return out
