@@ -14,8 +14,11 @@ setup:
 lab:
 	$(BIN)/jupyter lab notebooks/
 
+# Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared).
+NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
+
 test:
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL)
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py

@@ -11,7 +11,17 @@
 Importing ``lessonlib`` defines no kernel, so it never locks the wrong runtime mode.
 """
 
-from lessonlib.runtime import describe, device, mode, pick
+import inspect
+import sys
 
-__all__ = ["describe", "device", "mode", "pick"]
+from lessonlib.runtime import describe, device, gpu_only, mode, pick
+
+__all__ = ["describe", "device", "gpu_only", "mode", "pick", "source"]
+
+
+def source(obj) -> str:
+    """The whole source file that defines ``obj`` (a kernel file reads top to bottom: kernel, then launcher).
+    Notebooks print this rather than copying library code."""
+    module = sys.modules[obj.__module__] if not inspect.ismodule(obj) else obj
+    return inspect.getsource(module)
 __version__ = "0.1.0"

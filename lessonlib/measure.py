@@ -139,3 +139,13 @@ def measure_ceilings(copy_bytes: int = 2 << 30, matmul_size: int = 8192) -> Ceil
 
 def gbps(nbytes: int, timing: Timing) -> float:
     return nbytes / (timing.median_us * 1e-6) / 1e9
+
+
+def compare_bandwidth(impls: dict, *args, nbytes: int) -> dict[str, float]:
+    """GB/s of each ``impls[name](*args)``, counting ``nbytes`` (the fewest bytes the op must move), plus a plain
+    device copy of the same number of bytes: the practical ceiling at this size."""
+    out = {name: gbps(nbytes, time_fn(fn, *args)) for name, fn in impls.items()}
+    src = torch.empty(nbytes // 2 // 2, dtype=torch.float16, device=runtime.device()).normal_()
+    dst = torch.empty_like(src)
+    out["copy (same bytes)"] = gbps(nbytes, time_fn(dst.copy_, src))
+    return out

@@ -6,9 +6,11 @@ Two modes:
 * ``"interpreter"``: no GPU; Triton's interpreter runs the *same* kernels on CPU tensors, element by element in
   NumPy. Correct, but slow: problem sizes shrink and times are never performance.
 
-Triton reads ``TRITON_INTERPRET`` when a kernel is *defined* (when ``@triton.jit`` runs), not when triton is
-imported. So the mode is decided here, before any of lessonlib's kernels are defined: ``lessonlib.ops`` calls
-:func:`mode` first thing. Importing ``lessonlib`` itself defines no kernel and therefore never locks a mode.
+Triton reads ``TRITON_INTERPRET`` when a kernel is *defined* (when ``@triton.jit`` runs). That includes Triton's
+own library functions such as ``tl.sigmoid``, which are defined when ``triton.language`` is first imported. So the
+mode is decided here, before triton.language is imported and before any of lessonlib's kernels are defined:
+``lessonlib.ops`` calls :func:`mode` first thing. Importing ``lessonlib`` imports no Triton and never locks a mode;
+if something imported Triton in the other mode first, :func:`mode` says so instead of letting kernels fail later.
 
 Override with the environment variable ``LESSONLIB_MODE=interpreter`` (e.g. to run the interpreter on a GPU
 machine). ``TRITON_INTERPRET=1`` set by the user is honoured as well.
@@ -17,6 +19,7 @@ machine). ``TRITON_INTERPRET=1`` set by the user is honoured as well.
 from __future__ import annotations
 
 import os
+import sys
 from functools import lru_cache
 
 import torch
@@ -39,7 +42,22 @@ def mode() -> str:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+    _check_triton_language(chosen)
     return chosen
+
+
+def _check_triton_language(chosen: str) -> None:
+    language = sys.modules.get("triton.language")
+    if language is None:
+        return  # imported later, in the mode just set
+    interpreted = type(language.sigmoid).__name__ == "InterpretedFunction"
+    if interpreted != (chosen == "interpreter"):
+        raise RuntimeError(
+            f"lessonlib chose mode {chosen!r}, but triton.language was already imported "
+            f"{'with' if interpreted else 'without'} TRITON_INTERPRET set, so Triton's own functions (tl.sigmoid...) "
+            "are locked in the other mode. Restart the kernel and import lessonlib before triton "
+            "(run the notebook's set-up cell first)."
+        )
 
 
 def on_gpu() -> bool:
@@ -71,9 +89,22 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
 
 def describe() -> str:
     """One line for a notebook's first cell: where kernels run, and with which versions."""
+    gpu = on_gpu()  # decide the mode before triton is imported
     import triton
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    if on_gpu():
+    if gpu:
         return f"Mode: GPU ({torch.cuda.get_device_name()}), {versions}"
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
+
+
+def gpu_only(what: str) -> bool:
+    """True on a GPU; on CPU print why a GPU-only step is skipped and return False.
+
+    >>> if gpu_only("live timing of swiglu"):
+    ...     ...  # measure
+    """
+    if on_gpu():
+        return True
+    print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). The recorded H200 results are shown instead.")
+    return False

@@ -14,16 +14,17 @@ import triton
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
-# updated residual. Measured on the H200 (bench_fusion.py, register_pressure): one pass at 16 warps uses 58
-# registers per thread at 16384 columns and 127 at 32768, and spills at 65536, where it runs at half the bandwidth
-# of the two-pass kernel.
-MAX_ONE_PASS_COLS = 16384
+# updated residual. Measured on the H200 (bench_fusion.py, register_pressure, 16 warps): one pass uses 58 registers
+# per thread at 16384 columns and 127 at 32768 (4,154 GB/s against 3,443 for two passes), and spills 80 registers
+# at 65536, where it falls to 1,955 GB/s against 3,311 for two passes.
+MAX_ONE_PASS_COLS = 32768
 TWO_PASS_BLOCK = 4096
-ROW_WARPS = 2
+ELEMENTS_PER_WARP = 2048
 
 # One program per row. Tried on the H200 at T=8192, H=4096 bf16: a grid-stride loop with 1 to 32 programs per
 # multiprocessor (weight loaded once per program) reached 2,357 to 3,772 GB/s; one program per row, 3,755 to
-# 3,830 GB/s. Two warps per row was the best of 2, 4, 8, 16.
+# 3,830 GB/s. Warps per row: 1 or 2 (128 or 64 columns per thread) 3,843 GB/s, 4: 3,825, 8 and 16: 3,804. So a
+# warp takes 2048 columns (64 per thread), up to 16 warps.
 
 
 @triton.jit
@@ -110,6 +111,6 @@ def add_rms_norm(
     launch(
         _add_rms_norm_kernel, (x2d.shape[0],),
         x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
-        BLOCK=block, ONE_PASS=one_pass, num_warps=ROW_WARPS if one_pass else 16,
+        BLOCK=block, ONE_PASS=one_pass, num_warps=min(16, max(1, block // ELEMENTS_PER_WARP)) if one_pass else 16,
     )
     return out, residual_out

@@ -1,0 +1,107 @@
+"""Checkers for the exercises. Each takes the student's function, runs it on fresh random inputs of several odd
+shapes and every dtype this mode supports, with outputs poisoned (NaN) first, and either prints one line of success
+or raises :class:`ExerciseFailed` with a message that says what to fix.
+
+The notebooks also run these checkers on lessonlib's own kernels, so a broken library kernel fails a notebook loudly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lessonlib import reference, runtime
+from lessonlib.testing import check_close, poisoned_outputs, to_float64
+
+
+class ExerciseFailed(AssertionError):
+    """The student's code does not (yet) meet the exercise's spec; the message says why."""
+
+
+def _describe(args) -> str:
+    shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+    return f"inputs of shapes {shapes}, dtype {str(args[0].dtype).removeprefix('torch.')}"
+
+
+def _call(name: str, fn, args):
+    try:
+        with poisoned_outputs():
+            return fn(*args)
+    except NotImplementedError as e:
+        raise ExerciseFailed(f"{name}: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+    except Exception as e:  # the student's bug: say where it happened
+        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
+
+
+def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ExerciseFailed(f"{name} returned {type(out).__name__}; expected a torch.Tensor")
+    if tuple(out.shape) != tuple(truth.shape):
+        raise ExerciseFailed(f"{name} returned shape {tuple(out.shape)} for {_describe(args)}; expected {tuple(truth.shape)}")
+    if out.is_floating_point() and out.numel():
+        written = int((~torch.isnan(out)).sum())
+        if written == 0:
+            raise ExerciseFailed(
+                f"{name}: not implemented yet: the kernel wrote none of the output (every element is still NaN, "
+                "the value these checks fill new outputs with). Fill in the kernel body."
+            )
+        if written < out.numel():
+            first = tuple(int(i) for i in torch.isnan(out).nonzero()[0])
+            raise ExerciseFailed(
+                f"{name} wrote only {written} of {out.numel()} output elements for {_describe(args)} (first one "
+                f"missing at index {first}): does your grid cover every row and block, and your mask every column?"
+            )
+    try:
+        check_close(name, out, truth, low)
+    except AssertionError as e:
+        raise ExerciseFailed(f"{e}\n  on {_describe(args)}. Compute in float32 and round once when storing.") from None
+
+
+def _inputs(*shapes, dtype):
+    return [torch.randn(s, device=runtime.device(), dtype=torch.float32).to(dtype) for s in shapes]
+
+
+SWIGLU_SHAPES = [(1, 1), (7, 123), (33, 1000)]
+ADD_RMS_NORM_SHAPES = [(1, 8), (5, 123), (16, 1000)]
+
+
+def check_swiglu(fn) -> None:
+    """``fn(gate, up)`` must equal ``silu(gate) * up``."""
+    for dtype in runtime.supported_dtypes():
+        for shape in SWIGLU_SHAPES:
+            gate, up = _inputs(shape, shape, dtype=dtype)
+            out = _call("swiglu", fn, (gate, up))
+            _check_output("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up), (gate, up))
+    print(f"✓ swiglu matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
+
+
+def check_add_rms_norm(fn) -> None:
+    """``fn(x, residual, weight, eps)`` must return ``(normalized, updated_residual)`` as the reference does."""
+    for dtype in runtime.supported_dtypes():
+        for shape in ADD_RMS_NORM_SHAPES:
+            x, residual, weight = _inputs(shape, shape, shape[-1:], dtype=dtype)
+            args = (x, residual, weight, 1e-6)
+            result = _call("add_rms_norm", fn, args)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise ExerciseFailed(f"add_rms_norm returned {type(result).__name__}; expected a tuple (normalized, updated_residual)")
+            truth = reference.add_rms_norm(*to_float64(x, residual, weight), 1e-6)
+            low = reference.add_rms_norm(x, residual, weight, 1e-6)
+            _check_output("add_rms_norm: updated_residual", result[1], truth[1], low[1], args)
+            _check_output("add_rms_norm: normalized", result[0], truth[0], low[0], args)
+    print(f"✓ add_rms_norm matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
+
+
+def check_apply_rope(fn) -> None:
+    """``fn(q, k, cos, sin)`` must return ``(q_rot, k_rot)`` as the reference does (GQA: k has fewer heads)."""
+    for dtype in runtime.supported_dtypes():
+        for batch, heads, kv_heads, seq, dim in [(1, 1, 1, 1, 2), (2, 4, 2, 7, 64), (1, 8, 1, 5, 80)]:
+            q, k = _inputs((batch, heads, seq, dim), (batch, kv_heads, seq, dim), dtype=dtype)
+            cos, sin = reference.rope_cos_sin(torch.randint(0, 4096, (seq,), device=runtime.device()), dim, dtype=dtype)
+            args = (q, k, cos, sin)
+            result = _call("apply_rope", fn, args)
+            if not (isinstance(result, tuple) and len(result) == 2):
+                raise ExerciseFailed(f"apply_rope returned {type(result).__name__}; expected a tuple (q_rot, k_rot)")
+            truth = reference.apply_rope(*to_float64(*args))
+            low = reference.apply_rope(*args)
+            _check_output("apply_rope: q_rot", result[0], truth[0], low[0], args)
+            _check_output("apply_rope: k_rot", result[1], truth[1], low[1], args)
+    print("✓ apply_rope matches the reference (3 shapes x every supported dtype)")

@@ -1,0 +1,212 @@
+"""Figures the notebooks call instead of pasting plotting code. Each returns the matplotlib Figure.
+
+Recorded GPU results always carry their provenance (GPU, versions, date, command) in a footnote, so a figure shown
+on a laptop never passes for a live measurement.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from lessonlib.measure import Ceilings
+from lessonlib.results import Results
+from lessonlib.traffic import OpTraffic
+
+IMPL_COLORS = {
+    "eager": "#d62728",
+    "torch.compile": "#1f77b4",
+    "lessonlib": "#2ca02c",
+    "copy (same bytes)": "#7f7f7f",
+}
+
+
+def _footnote(fig, text: str) -> None:
+    fig.text(0.01, 0.005, text, fontsize=7, color="#555555", ha="left", va="bottom", wrap=True)
+
+
+def roofline(ceilings: Ceilings, points: list[tuple[str, float, float | None]] = (), ax=None):
+    """The roofline: attainable TFLOP/s against arithmetic intensity (FLOP per byte), log-log.
+
+    ``points``: (label, intensity, measured TFLOP/s or None). Points without a measurement sit on the roof, where
+    the model says they can at best be.
+    """
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.8))
+    ridge = ceilings.ridge_intensity
+    x = np.logspace(-2, 4, 400)
+    roof = np.minimum(x * ceilings.bandwidth_gbs / 1e3, ceilings.matmul_tflops)
+    ax.loglog(x, roof, color="black", lw=2)
+    ax.axvline(ridge, color="#999999", ls=":", lw=1)
+    ax.text(ridge * 1.1, ceilings.matmul_tflops * 0.02, f"ridge: {ridge:.0f} FLOP/byte", fontsize=8, color="#555555")
+    ax.fill_between(x, roof, 1e-3, where=x < ridge, color="#fde0dd", alpha=0.5, label="memory-bound")
+    ax.fill_between(x, roof, 1e-3, where=x >= ridge, color="#deebf7", alpha=0.5, label="compute-bound")
+    for i, (label, intensity, measured) in enumerate(points):
+        attainable = min(intensity * ceilings.bandwidth_gbs / 1e3, ceilings.matmul_tflops)
+        y = attainable if measured is None else measured
+        marker = "o" if measured is None else "*"
+        ax.plot([intensity], [y], marker, ms=9, color=f"C{i}", label=f"{label}: {intensity:.2f} FLOP/B")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte moved)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_ylim(1e-2, ceilings.matmul_tflops * 2)
+    ax.set_title(f"Roofline: {ceilings.bandwidth_gbs:,.0f} GB/s copy, {ceilings.matmul_tflops:,.0f} TFLOP/s bf16 matmul")
+    ax.legend(loc="lower right", fontsize=7)
+    ax.grid(True, which="both", alpha=0.2)
+    _footnote(fig, f"ceilings {ceilings.source}")
+    fig.tight_layout(rect=(0, 0.04, 1, 1))
+    return fig
+
+
+def traffic(op: OpTraffic, ax=None):
+    """Bytes moved per kernel, eager chain vs fused, as two stacked bars."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    for x, chain in enumerate((op.eager, op.fused)):
+        bottom = 0.0
+        for i, k in enumerate(chain.kernels):
+            mb = k.bytes / 1e6
+            ax.bar(x, mb, bottom=bottom, color=plt.cm.tab20(i % 20), edgecolor="white", width=0.6)
+            if mb > 0.04 * op.eager.bytes / 1e6:
+                ax.text(x, bottom + mb / 2, k.name, ha="center", va="center", fontsize=7)
+            bottom += mb
+        ax.text(x, bottom, f"{bottom:,.1f} MB\n{chain.launches} launch{'es' if chain.launches > 1 else ''}",
+                ha="center", va="bottom", fontsize=9)
+    ax.set_xticks([0, 1], ["eager PyTorch", "fused kernel"])
+    ax.set_ylabel("bytes read + written (MB)")
+    ax.set_ylim(0, op.eager.bytes / 1e6 * 1.25)
+    shape = ", ".join(f"{k}={v}" for k, v in op.shape.items())
+    ax.set_title(f"{op.op} ({shape}): fused moves {op.byte_ratio:.1f}x fewer bytes")
+    fig.tight_layout()
+    return fig
+
+
+def bandwidth(results: Results, op: str, shape: dict, ceiling_gbs: float | None = None, live: dict | None = None, ax=None):
+    """GB/s of each implementation of ``op`` at ``shape`` from a recorded run, beside the copy ceiling; ``live``
+    adds the student's own measurements ({impl: GB/s}) as hatched bars."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    impls = ["eager", "torch.compile", "lessonlib", "copy (same bytes)"]
+    recs = {r["impl"]: r for r in results.select(op=op, **shape) if "regime" not in r}
+    recs["copy (same bytes)"] = results.one(op="copy", **shape)
+    values = [recs[i]["gbps"] for i in impls]
+    bars = ax.bar(range(len(impls)), values, color=[IMPL_COLORS[i] for i in impls], width=0.6)
+    for b, v in zip(bars, values):
+        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
+    if live:
+        for j, impl in enumerate(impls):
+            if impl in live:
+                ax.bar(j + 0.3, live[impl], width=0.25, color="white", edgecolor=IMPL_COLORS[impl], hatch="//",
+                       label="hatched: measured now on your GPU" if j == 0 else None)
+    ceiling = ceiling_gbs or results.ceilings["bandwidth_gbs"]
+    ax.axhline(ceiling, color="black", ls="--", lw=1)
+    ax.text(len(impls) - 0.5, ceiling, f"copy ceiling {ceiling:,.0f} GB/s", ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(impls)), impls)
+    ax.set_ylabel("GB/s (fewest bytes the op must move / time)")
+    ax.set_ylim(0, ceiling * 1.15)
+    ax.set_title(f"{op} at " + ", ".join(f"{k}={v}" for k, v in shape.items()) + f", {recs['lessonlib']['dtype']}"
+                 + f" (solid: recorded on {results.environment['gpu']})")
+    if live:
+        ax.legend(loc="upper left", fontsize=8)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def per_call_time(results: Results, op: str, ax=None):
+    """Time per call against the number of tokens, for each implementation, calls back to back (log-log)."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    for impl in ("eager", "torch.compile", "lessonlib"):
+        recs = sorted(results.select(op=op, impl=impl, regime="per call, back to back"), key=lambda r: r["shape"]["T"])
+        ax.loglog([r["shape"]["T"] for r in recs], [r["us"] for r in recs], "o-", color=IMPL_COLORS[impl], label=impl)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("µs per call")
+    ax.set_title(f"{op}: below ~1k tokens the time is launch overhead, not bytes")
+    ax.legend()
+    ax.grid(True, which="both", alpha=0.2)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def launch_overhead(results: Results, ax=None):
+    """Where a one-token swiglu call's time goes, from the recorded breakdown."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.6))
+    recs = results.select(op="launch_overhead")
+    labels = [r["impl"] for r in recs]
+    ax.barh(range(len(recs)), [r["us"] for r in recs], color=["#9ecae1"] * 3 + [IMPL_COLORS["lessonlib"], IMPL_COLORS["eager"]])
+    for i, r in enumerate(recs):
+        ax.text(r["us"], i, f" {r['us']:.1f} µs", va="center", fontsize=9)
+    ax.set_yticks(range(len(recs)), labels)
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per call (calls back to back, T=1)")
+    ax.set_title("One decode-size swiglu call: the kernel itself is the smallest part")
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+def gated_mlp(results: Results, ax=None):
+    """The whole GatedMLP, eager vs fused vs torch.compile, with the elementwise part shown separately."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    tokens = sorted({r["shape"]["T"] for r in results.select(op="gated_mlp")})
+    eager = [results.one(op="gated_mlp", impl="eager", T=t)["us"] for t in tokens]
+    impls = {"eager": IMPL_COLORS["eager"], "lessonlib (gate_up GEMM + swiglu)": IMPL_COLORS["lessonlib"],
+             "torch.compile": IMPL_COLORS["torch.compile"]}
+    width = 0.25
+    for j, (impl, color) in enumerate(impls.items()):
+        rel = [results.one(op="gated_mlp", impl=impl, T=t)["us"] / e for t, e in zip(tokens, eager)]
+        xs = np.arange(len(tokens)) + (j - 1) * width
+        ax.bar(xs, rel, width, color=color, label=impl)
+        for x, r in zip(xs, rel):
+            ax.text(x, r, f"{r:.2f}", ha="center", va="bottom", fontsize=7)
+    elementwise = [results.one(op="gated_mlp", impl="of which: eager silu·mul", T=t)["us"] / e for t, e in zip(tokens, eager)]
+    ax.plot(np.arange(len(tokens)) - width, elementwise, "v", color="black", label="eager's silu·mul share")
+    ax.set_xticks(range(len(tokens)), [f"T={t}" for t in tokens])
+    ax.set_ylabel("time relative to eager (lower is faster)")
+    ax.set_ylim(0, max(1.3, ax.get_ylim()[1] * 1.1))
+    ax.set_title("Whole GatedMLP (H=4096, I=14336): the GEMMs dominate,\nfusion can only save the elementwise share")
+    ax.legend(fontsize=8, loc="lower right")
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def register_pressure(results: Results, ax=None):
+    """One-pass (whole row in registers) vs two-pass add_rms_norm as the row widens: registers, spills, GB/s."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    rows = results.notes["register_pressure"]["rows"]
+    widths = sorted({r["H"] for r in rows})
+    for j, one_pass in enumerate((True, False)):
+        sel = [next(r for r in rows if r["H"] == h and r["one_pass"] == one_pass) for h in widths]
+        xs = np.arange(len(widths)) + (j - 0.5) * 0.38
+        ax.bar(xs, [r["gbps"] for r in sel], 0.38, color="#2ca02c" if one_pass else "#9467bd",
+               label="one pass: whole row in registers" if one_pass else "two passes: 4096 columns at a time")
+        for x, r in zip(xs, sel):
+            spill = f"\n{r['spilled_registers']} spilled" if r["spilled_registers"] else ""
+            ax.text(x, r["gbps"], f"{r['registers_per_thread']} regs{spill}", ha="center", va="bottom", fontsize=7,
+                    color="#d62728" if r["spilled_registers"] else "black")
+    ax.set_xticks(range(len(widths)), [f"H={h}" for h in widths])
+    ax.set_ylabel("GB/s")
+    ax.set_ylim(0, max(r["gbps"] for r in rows) * 1.3)
+    ax.set_title("add_rms_norm: a wider row kept in registers needs more of them;\nat 65,536 columns they spill and the fused kernel halves its speed")
+    ax.legend(fontsize=8, loc="upper left")
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def launch_counts(counts: dict[str, dict[str, int]], title: str, ax=None):
+    """Kernel launches per call: {op: {impl: count}} as grouped bars."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 3.8))
+    ops_ = list(counts)
+    impls = list(next(iter(counts.values())))
+    width = 0.8 / len(impls)
+    for j, impl in enumerate(impls):
+        vals = [counts[o][impl] for o in ops_]
+        xs = np.arange(len(ops_)) + (j - (len(impls) - 1) / 2) * width
+        ax.bar(xs, vals, width, color=IMPL_COLORS.get(impl, f"C{j}"), label=impl)
+        for x, v in zip(xs, vals):
+            ax.text(x, v, str(v), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(ops_)), ops_)
+    ax.set_ylabel("kernel launches per call")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,124 @@
+"""Interactive views for the notebooks (ipywidgets). Each view is a plain function that computes and draws, wrapped
+by ``ipywidgets.interactive``; the function's return value (``w.result``) is what tests and nbval check, since a
+headless kernel has no front end to look at."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+
+import matplotlib.pyplot as plt
+
+from lessonlib import plots, traffic
+from lessonlib.measure import Ceilings
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+
+
+def op_traffic(op: str, tokens: int, hidden: int, intermediate: int, dtype: str) -> traffic.OpTraffic:
+    """The traffic model of one op at one size; attention-style shapes use Llama-8B's heads (32 q, 8 kv, D=128)."""
+    itemsize = DTYPE_BYTES[dtype]
+    if op == "swiglu":
+        return traffic.swiglu(tokens, intermediate, itemsize)
+    if op == "add_rms_norm":
+        return traffic.add_rms_norm(tokens, hidden, itemsize)
+    if op == "apply_rope":
+        return traffic.apply_rope(1, 32, 8, tokens, 128, itemsize)
+    if op == "gated_mlp":
+        return traffic.gated_mlp(tokens, hidden, intermediate, itemsize)
+    raise ValueError(f"unknown op {op!r}; choose from {sorted(traffic.OPS)}")
+
+
+def show_traffic(op="add_rms_norm", tokens=8192, hidden=4096, intermediate=14336, dtype="bfloat16") -> dict:
+    """Draw eager vs fused bytes for one op; return the numbers shown."""
+    model = op_traffic(op, tokens, hidden, intermediate, dtype)
+    print(f"{op}: eager {model.eager.launches} launches, {model.eager.bytes / 1e6:,.1f} MB -> fused "
+          f"{model.fused.launches} launch, {model.fused.bytes / 1e6:,.1f} MB ({model.byte_ratio:.2f}x fewer bytes)")
+    plots.traffic(model)
+    plt.show()
+    return {"eager_MB": model.eager.bytes / 1e6, "fused_MB": model.fused.bytes / 1e6, "byte_ratio": model.byte_ratio,
+            "eager_launches": model.eager.launches, "fused_launches": model.fused.launches}
+
+
+def show_roofline(ceilings: Ceilings, op="swiglu", tokens=8192, hidden=4096, intermediate=14336, dtype="bfloat16") -> dict:
+    """Place one op, eager and fused, on the roofline; return intensities and time floors."""
+    model = op_traffic(op, tokens, hidden, intermediate, dtype)
+    bw, peak = ceilings.bandwidth_gbs * 1e9, ceilings.matmul_tflops * 1e12
+    result = {
+        "eager_intensity": model.eager.intensity,
+        "fused_intensity": model.fused.intensity,
+        "bound": "memory" if model.fused.intensity < ceilings.ridge_intensity else "compute",
+        "eager_floor_us": model.eager.time_floor_s(bw, peak) * 1e6,
+        "fused_floor_us": model.fused.time_floor_s(bw, peak) * 1e6,
+    }
+    print(f"{op} at T={tokens}: fused {result['fused_intensity']:.2f} FLOP/byte, {result['bound']}-bound; "
+          f"fastest possible: eager {result['eager_floor_us']:,.1f} µs, fused {result['fused_floor_us']:,.1f} µs")
+    plots.roofline(ceilings, [(f"{op} eager", model.eager.intensity, None), (f"{op} fused", model.fused.intensity, None)])
+    plt.show()
+    return result
+
+
+def _sliders():
+    import ipywidgets as w
+
+    return dict(
+        tokens=w.IntSlider(value=8192, min=1, max=32768, step=1, description="tokens T", continuous_update=False),
+        hidden=w.IntSlider(value=4096, min=256, max=16384, step=256, description="hidden H", continuous_update=False),
+        intermediate=w.IntSlider(value=14336, min=512, max=57344, step=512, description="inter. I", continuous_update=False),
+        dtype=w.Dropdown(options=list(DTYPE_BYTES), value="bfloat16", description="dtype"),
+    )
+
+
+def _explorer(fn, op, **fixed):
+    import ipywidgets as w
+
+    controls = {"op": w.Dropdown(options=list(traffic.OPS), value=op, description="op"), **_sliders()}
+    view = w.interactive(fn, **{k: w.fixed(v) for k, v in fixed.items()}, **controls)
+    view.controls = controls  # by argument name, for drive()
+    return view
+
+
+def traffic_explorer(op="add_rms_norm"):
+    """Sliders over tokens, hidden and intermediate size: bytes moved, eager vs fused."""
+    return _explorer(show_traffic, op)
+
+
+def roofline_explorer(ceilings: Ceilings, op="swiglu"):
+    """Choose an op and a size, see where it sits on the roofline."""
+    return _explorer(show_roofline, op, ceilings=ceilings)
+
+
+def drive(view, **values) -> dict:
+    """Set a view's controls from code (``drive(view, tokens=1)``), as a student moving them would, and return the
+    view's new result. The figure it redraws is swallowed: a headless kernel has no front end to show it in."""
+    unknown = set(values) - set(view.controls)
+    if unknown:
+        raise ValueError(f"no control named {sorted(unknown)}; this view has {sorted(view.controls)}")
+    with _swallow_display():
+        for name, value in values.items():
+            view.controls[name].value = value
+    return view.result
+
+
+@contextlib.contextmanager
+def _swallow_display():
+    """Drop printed text and displayed figures. (IPython's capture_output breaks ipywidgets' Output widget under
+    ipykernel 7, so only the publishing is replaced.)"""
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    except ImportError:
+        shell = None
+    publisher = getattr(shell, "display_pub", None)
+    with contextlib.redirect_stdout(io.StringIO()):
+        if publisher is None:
+            yield
+            return
+        publish = publisher.publish
+        publisher.publish = lambda *args, **kwargs: None
+        try:
+            yield
+        finally:
+            publisher.publish = publish
+            plt.close("all")

@@ -1,0 +1,99 @@
+"""The student copies: up to date, no solution in them, and every stub fails its checker."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import make_student_notebooks as gen  # noqa: E402
+
+SOURCES = gen.sources()
+CHECK_CALL = re.compile(r"^check_\w+\(my_\w+\)\s*$", re.M)
+
+
+def solution_lines(path: Path) -> set[str]:
+    lines, inside = set(), False
+    for cell in nbformat.read(path, as_version=4).cells:
+        for line in cell.source.split("\n"):
+            if line.strip() == gen.BEGIN:
+                inside = True
+            elif line.strip() == gen.END:
+                inside = False
+            elif inside and len(line.strip()) > 12:
+                lines.add(line.strip())
+    return lines
+
+
+def test_every_course_notebook_has_exercises():
+    assert {p.name for p in SOURCES} >= {"00_setup_and_roofline.ipynb", "01_operator_fusion.ipynb"}
+    assert len(solution_lines(ROOT / "notebooks" / "01_operator_fusion.ipynb")) >= 10
+
+
+def test_student_copies_are_up_to_date():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "make_student_notebooks.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: p.name)
+def test_no_solution_leaks(path):
+    student = (gen.STUDENT_DIR / path.name).read_text()
+    assert gen.BEGIN not in student and gen.END not in student
+    code = "\n".join(c.source for c in nbformat.reads(student, as_version=4).cells if c.cell_type == "code")
+    leaked = [line for line in solution_lines(path) if line in code]
+    assert not leaked, f"solution lines in the student copy of {path.name}: {leaked}"
+    assert all(not c.get("outputs") for c in json.loads(student)["cells"])
+
+
+def test_strip_solutions_keeps_indentation_and_picks_the_stub():
+    kernel = "@triton.jit\ndef k(x_ptr):\n    a = 1\n    ### BEGIN SOLUTION\n    tl.store(x_ptr, a)\n    ### END SOLUTION\n"
+    assert gen.strip_solutions(kernel) == "@triton.jit\ndef k(x_ptr):\n    a = 1\n    # YOUR CODE HERE\n    pass\n"
+    python = "def f(x):\n    ### BEGIN SOLUTION\n    return x\n    ### END SOLUTION\n"
+    assert gen.strip_solutions(python) == "def f(x):\n    # YOUR CODE HERE\n    raise NotImplementedError()\n"
+    with pytest.raises(ValueError, match="without"):
+        gen.strip_solutions("### BEGIN SOLUTION\nx = 1\n")
+
+
+RUNNER = r'''
+import sys, nbformat, matplotlib
+matplotlib.use("Agg")
+from lessonlib.exercises import ExerciseFailed
+path, pattern = sys.argv[1], sys.argv[2]
+import re
+check_call = re.compile(pattern, re.M)
+namespace = {"__name__": "__main__"}
+checked = 0
+for cell in nbformat.read(path, as_version=4).cells:
+    if cell.cell_type != "code":
+        continue
+    if check_call.search(cell.source):
+        try:
+            exec(cell.source, namespace)
+        except ExerciseFailed as e:
+            print("FAILED AS EXPECTED:", str(e).splitlines()[0])
+            checked += 1
+            continue
+        sys.exit(f"a stub passed its check: {cell.source.strip()}")
+    else:
+        exec(cell.source, namespace)
+print("checks failed:", checked)
+'''
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if solution_lines(p)], ids=lambda p: p.name)
+def test_stubs_fail_their_checks(path):
+    """Run the student copy top to bottom (as a student who filled in nothing would): each exercise check fails."""
+    student = gen.STUDENT_DIR / path.name
+    expected = len(CHECK_CALL.findall("\n".join(c.source for c in nbformat.read(student, as_version=4).cells)))
+    result = subprocess.run([sys.executable, "-c", RUNNER, str(student), CHECK_CALL.pattern], capture_output=True,
+                            text=True, cwd=student.parent, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"checks failed: {expected}" in result.stdout
+    assert result.stdout.count("not implemented yet") == expected, result.stdout
