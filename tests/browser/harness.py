@@ -1,0 +1,125 @@
+"""A real-browser harness for the course notebooks: JupyterLab served on localhost, driven by headless Chromium
+through Playwright. Reusable by every lesson's browser test:
+
+    with JupyterLab(notebook_paths) as lab, lab.browser() as page:
+        lab.open(page, "00_setup_and_roofline.ipynb")
+        lab.run_all(page)
+        lab.slider(page, "tokens T").press("ArrowRight")
+
+The notebooks are copied into a temporary folder first, outputs cleared, so that everything the browser shows
+came from this run and neither the run nor JupyterLab's autosave edits the repository's files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import nbformat
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class JupyterLab:
+    def __init__(self, notebooks: list[Path], startup_timeout: float = 120):
+        self.notebooks = notebooks
+        self.startup_timeout = startup_timeout
+        self.token = secrets.token_hex(16)
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self):
+        self._tmp = tempfile.TemporaryDirectory(prefix="lessonlib-lab-")
+        root = Path(self._tmp.name)
+        for path in self.notebooks:
+            notebook = nbformat.read(path, as_version=4)
+            for cell in notebook.cells:
+                if cell.cell_type == "code":
+                    cell.outputs, cell.execution_count = [], None
+            nbformat.write(notebook, root / path.name)
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+        self.log = open(root / "lab.log", "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={self.port}",
+             "--ServerApp.ip=127.0.0.1", f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}",
+             f"--LabApp.workspaces_dir={root / '.workspaces'}", "--ServerApp.disable_check_xsrf=False"],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+        deadline = time.time() + self.startup_timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited: {self.logs()}")
+            try:
+                urllib.request.urlopen(f"{self.url}/api/status?token={self.token}", timeout=2)
+                return self
+            except OSError:
+                time.sleep(0.5)
+        raise TimeoutError(f"JupyterLab did not answer in {self.startup_timeout} s: {self.logs()}")
+
+    def __exit__(self, *exc):
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self.log.close()
+        self._tmp.cleanup()
+
+    def logs(self) -> str:
+        self.log.flush()
+        return (Path(self._tmp.name) / "lab.log").read_text()[-4000:]
+
+    @contextlib.contextmanager
+    def browser(self):
+        from playwright.sync_api import sync_playwright
+
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            try:
+                yield page
+            finally:
+                browser.close()
+
+    def open(self, page, name: str, timeout_ms: int = 90_000) -> None:
+        page.goto(f"{self.url}/lab/tree/{name}?token={self.token}")
+        page.wait_for_selector(".jp-Notebook", timeout=timeout_ms)
+        # A fresh JupyterLab may ask which kernel to start; the notebook's own (python3) is preselected.
+        dialog = page.locator(".jp-Dialog:has-text('Select Kernel') button:has-text('Select')")
+        try:
+            dialog.click(timeout=10_000)
+        except Exception:  # no dialog: the kernel started by itself
+            pass
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
+
+    def run_all(self, page, timeout_ms: int = 300_000) -> None:
+        """Run → Run All Cells, then wait until the kernel is idle and no cell is still queued ([*])."""
+        page.click(".lm-MenuBar-itemLabel:text-is('Run')")
+        page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
+        page.wait_for_function(
+            "() => document.querySelectorAll('.jp-InputPrompt').length > 0 && "
+            "[...document.querySelectorAll('.jp-InputPrompt')].every(p => !p.textContent.includes('*'))",
+            timeout=timeout_ms,
+        )
+        page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
+
+    def slider(self, page, label: str):
+        """The handle of the ipywidgets slider whose description is ``label``."""
+        return page.locator(".widget-slider", has=page.locator(".widget-label", has_text=label)).locator(".noUi-handle").first

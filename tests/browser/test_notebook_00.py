@@ -1,0 +1,41 @@
+"""Notebook 00 in a real browser: it runs, its roofline explorer renders, and moving a slider changes the view."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.browser.harness import CHROMIUM, JupyterLab
+
+pytest.importorskip("playwright")
+if not shutil.which(CHROMIUM):
+    pytest.skip("Chromium is not installed (Debian package 'chromium'; `make setup` installs it)", allow_module_level=True)
+
+NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "00_setup_and_roofline.ipynb"
+
+
+def test_roofline_explorer_follows_its_slider():
+    with JupyterLab([NOTEBOOK]) as lab, lab.browser() as page:
+        lab.open(page, NOTEBOOK.name)
+        lab.run_all(page)
+        outputs = page.locator(".jp-Notebook").inner_text()
+        assert "Traceback" not in outputs, outputs[-3000:]
+
+        view = page.locator(".widget-interact").first
+        summary = view.locator(".jp-OutputArea-output pre").first
+        summary.wait_for(timeout=60_000)
+        before_text = summary.inner_text()
+        before_plot = view.locator("img").first.get_attribute("src")
+        assert re.search(r"gated_mlp at T=8192: .* compute-bound", before_text), before_text
+
+        handle = lab.slider(page, "tokens T")
+        handle.focus()
+        handle.press("ArrowRight")
+        page.wait_for_function(
+            "(old) => { const pre = document.querySelector('.widget-interact .jp-OutputArea-output pre');"
+            " return pre && pre.innerText !== old; }", arg=before_text, timeout=60_000)
+        after_text = summary.inner_text()
+        assert "gated_mlp at T=8193" in after_text, after_text
+        view.locator("img").first.wait_for(timeout=60_000)
+        assert view.locator("img").first.get_attribute("src") != before_plot, "the plot did not change"
