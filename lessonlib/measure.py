@@ -7,6 +7,8 @@ kernels run in Triton's interpreter, whose time says nothing about GPU speed: su
 
 from __future__ import annotations
 
+import contextlib
+import os
 import statistics
 import time
 from collections import Counter
@@ -81,10 +83,16 @@ def count_launches(fn, *args, **kwargs) -> LaunchCount:
     fn(*args, **kwargs)  # warm-up: compilation and autotuning stay out of the count
     on_gpu = runtime.on_gpu()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
+    prof = profile(activities=activities)
+    with _native_stderr_silenced():  # some torch builds print a "USDT: profiler_start" line on each start/stop
+        prof.start()
+    try:
         fn(*args, **kwargs)
         if on_gpu:
             torch.cuda.synchronize()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
     names: Counter = Counter()
     if on_gpu:
         for evt in prof.events():
@@ -103,6 +111,24 @@ def count_launches(fn, *args, **kwargs) -> LaunchCount:
         if evt.cpu_parent is None:
             visit(evt)
     return LaunchCount(sum(names.values()), names, "kernel launches (counted on CPU: operators that launch a GPU kernel)")
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    """Point file descriptor 2 (where C++ code writes) at /dev/null; Python's sys.stderr object is untouched."""
+    try:
+        saved = os.dup(2)
+    except OSError:
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
 
 
 @dataclass(frozen=True)

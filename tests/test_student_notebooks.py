@@ -62,27 +62,35 @@ def test_strip_solutions_keeps_indentation_and_picks_the_stub():
 
 
 RUNNER = r'''
-import sys, nbformat, matplotlib
+import linecache, re, sys, nbformat, matplotlib
 matplotlib.use("Agg")
 from lessonlib.exercises import ExerciseFailed
 path, pattern = sys.argv[1], sys.argv[2]
-import re
 check_call = re.compile(pattern, re.M)
 namespace = {"__name__": "__main__"}
 checked = 0
-for cell in nbformat.read(path, as_version=4).cells:
+
+
+def run(source, index):
+    # Registered with linecache, as IPython does, so that inspect (and so Triton's compiler) finds the source.
+    filename = f"<cell-{index}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), namespace)
+
+
+for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
     if cell.cell_type != "code":
         continue
     if check_call.search(cell.source):
         try:
-            exec(cell.source, namespace)
+            run(cell.source, index)
         except ExerciseFailed as e:
             print("FAILED AS EXPECTED:", str(e).splitlines()[0])
             checked += 1
             continue
         sys.exit(f"a stub passed its check: {cell.source.strip()}")
     else:
-        exec(cell.source, namespace)
+        run(cell.source, index)
 print("checks failed:", checked)
 '''
 
