@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from lessonlib import ops, reference, runtime, traffic  # noqa: E402
-from lessonlib.measure import Ceilings, count_launches, measure_ceilings, time_fn  # noqa: E402
+from lessonlib.measure import Ceilings, count_launches, measure_ceilings, time_copy, time_fn  # noqa: E402
 from lessonlib.ops.add_rms_norm import TWO_PASS_BLOCK, _add_rms_norm_kernel  # noqa: E402
 from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for  # noqa: E402
 from lessonlib.ops.swiglu import _swiglu_kernel  # noqa: E402
@@ -111,10 +111,7 @@ def main():
     gate, up = randn(T, I, dtype=dtype), randn(T, I, dtype=dtype)
     sw_bytes = traffic.swiglu(T, I, itemsize).fused.bytes
     shape = {"T": T, "I": I}
-    src = randn(sw_bytes // 2 // itemsize, dtype=dtype)
-    dst = torch.empty_like(src)
-    record("copy", "copy (same bytes)", shape, time_fn(dst.copy_, src).median_us, sw_bytes)
-    del src, dst
+    record("copy", "copy (same bytes)", shape, time_copy(sw_bytes).median_us, sw_bytes)
     record("swiglu", "lessonlib", shape, time_fn(ops.swiglu, gate, up).median_us, sw_bytes)
     record("swiglu", "eager", shape, time_fn(reference.swiglu, gate, up).median_us, sw_bytes)
     record("swiglu", "torch.compile", shape, time_fn(compiled(reference.swiglu), gate, up).median_us, sw_bytes)
@@ -130,10 +127,7 @@ def main():
     x, res, w = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype), randn(H, dtype=dtype)
     rn_bytes = traffic.add_rms_norm(T, H, itemsize).fused.bytes
     shape = {"T": T, "H": H}
-    src = randn(rn_bytes // 2 // itemsize, dtype=dtype)
-    dst = torch.empty_like(src)
-    record("copy", "copy (same bytes)", shape, time_fn(dst.copy_, src).median_us, rn_bytes)
-    del src, dst
+    record("copy", "copy (same bytes)", shape, time_copy(rn_bytes).median_us, rn_bytes)
     record("add_rms_norm", "lessonlib", shape, time_fn(ops.add_rms_norm, x, res, w).median_us, rn_bytes)
     record("add_rms_norm", "eager", shape, time_fn(reference.add_rms_norm, x, res, w).median_us, rn_bytes)
     record("add_rms_norm", "torch.compile", shape, time_fn(compiled(reference.add_rms_norm), x, res, w).median_us, rn_bytes)

@@ -1,0 +1,33 @@
+"""The benchmark stays runnable (its --smoke mode, tiny sizes, any mode) and writes a valid results file; the
+committed GPU results carry their provenance and the peers the notebooks plot."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+from lessonlib import results
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
+    out = tmp_path / "fusion-smoke.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fusion.py"), "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    recorded = results.load(out)
+    assert recorded.benchmark == "fusion" and "--smoke" in recorded.command
+    assert recorded.select(op="swiglu", impl="lessonlib") and recorded.select(op="launch_overhead")
+    assert recorded.notes["launch_counts"]["counts"]["add_rms_norm"]["lessonlib"]["total"] == 1
+
+
+def test_committed_gpu_results_name_their_provenance_and_peers():
+    recorded = results.load("fusion-h200")
+    env = recorded.environment
+    assert env["gpu"].startswith("NVIDIA") and env["torch"] and env["triton"] and env["date"]
+    assert "bench_fusion.py" in recorded.command
+    for op, shape in (("swiglu", {"T": 8192, "I": 14336}), ("add_rms_norm", {"T": 8192, "H": 4096})):
+        for impl in ("lessonlib", "eager", "torch.compile"):
+            assert recorded.select(op=op, impl=impl, **shape)
+        assert recorded.one(op="copy", **shape)["gbps"] > 0
+    assert recorded.ceilings["bandwidth_gbs"] > 0 and recorded.ceilings["matmul_tflops"] > 0
