@@ -11,8 +11,9 @@ BIN    := $(VENV)/bin
 setup:
 	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)"
 
+# As root (containers, CI machines) JupyterLab refuses to start without --allow-root.
 lab:
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared).
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
