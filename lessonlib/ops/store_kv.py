@@ -1,0 +1,64 @@
+"""store_kv: write new tokens' keys and values into their slots of a paged KV cache (vLLM: reshape_and_cache).
+
+Token t's K and V rows go to slot ``slots[t]`` = physical block * block_size + offset in the block. One program per
+token copies its (num_kv_heads * head_dim) row of K and of V: a pure copy, so the bar is copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr,  # (T, num_kv_heads, head_dim): token rows k_token_stride / v_token_stride apart, each row contiguous
+    k_cache_ptr, v_cache_ptr,  # (num_slots, row) contiguous: (num_blocks, block_size, num_kv_heads, head_dim)
+    slots_ptr,  # (T,) int64: where each token goes
+    k_token_stride,
+    v_token_stride,
+    row,  # num_kv_heads * head_dim
+    BLOCK: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + token)
+    for start in range(0, row, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        mask = cols < row
+        tl.store(k_cache_ptr + slot * row + cols, tl.load(k_ptr + token * k_token_stride + cols, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + slot * row + cols, tl.load(v_ptr + token * v_token_stride + cols, mask=mask), mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """k, v: (T, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim),
+    contiguous; slots: (T,) integer, distinct, each below num_blocks * block_size. Writes in place."""
+    check_tensors("store_kv", k=k, v=v, k_cache=k_cache, v_cache=v_cache)
+    if k.dim() != 3 or k.shape != v.shape:
+        raise ValueError(f"store_kv: k and v must both be (T, num_kv_heads, head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or tuple(k_cache.shape[2:]) != tuple(k.shape[1:]):
+        raise ValueError(f"store_kv: caches must be (num_blocks, block_size, {k.shape[1]}, {k.shape[2]}) and alike, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("store_kv: k_cache and v_cache must be contiguous")
+    row = k.shape[1] * k.shape[2]
+    for name, t in (("k", k), ("v", v)):
+        if t.shape[0] > 0 and t.stride(1) != k.shape[2]:
+            raise ValueError(f"store_kv: each token's {name} row (num_kv_heads, head_dim) must be contiguous")
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (k.shape[0],):
+        raise TypeError(f"store_kv: slots must be an integer tensor of shape ({k.shape[0]},)")
+    if slots.device != k.device:
+        raise ValueError(f"store_kv: slots on {slots.device}, k on {k.device}")
+    if k.shape[0] == 0:
+        return
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    # Validated on the host before launch (one sync): a bad slot would write outside the pool or race.
+    if bool(((slots < 0) | (slots >= num_slots)).any()):
+        raise ValueError(f"store_kv: slots must lie in [0, {num_slots})")
+    if torch.unique(slots).numel() != slots.numel():
+        raise ValueError("store_kv: two tokens map to the same slot")
+    block = min(next_power_of_2(row), 4096)
+    launch(_store_kv_kernel, (k.shape[0],), k, v, k_cache, v_cache, slots.to(torch.int64), k.stride(0), v.stride(0),
+           row, BLOCK=block, num_warps=4)
