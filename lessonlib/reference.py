@@ -79,3 +79,28 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Decode attention over a paged KV cache, the plain way: gather each sequence's pages into contiguous K and V
+    (following its block table), then ordinary attention in the tensors' dtype, softmax in float32.
+
+    q: (B, H, D), one new token per sequence; k_cache, v_cache: (num_blocks, block_size, Hkv, D); block_table:
+    (B, max_blocks) int32; seq_lens: (B,) int32. H a multiple of Hkv: each KV head serves H / Hkv query heads.
+    """
+    batch, heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    scale = sm_scale if sm_scale is not None else head_dim ** -0.5
+    out = torch.empty_like(q)
+    for b in range(batch):
+        n = int(seq_lens[b])
+        blocks = block_table[b, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, dim=1)  # (n, H, D)
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,nhd->hn", q[b], k) * scale  # (H, n)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        out[b] = torch.einsum("hn,nhd->hd", p, v)
+    return out

@@ -31,3 +31,14 @@ def test_committed_gpu_results_name_their_provenance_and_peers():
             assert recorded.select(op=op, impl=impl, **shape)
         assert recorded.one(op="copy", **shape)["gbps"] > 0
     assert recorded.ceilings["bandwidth_gbs"] > 0 and recorded.ceilings["matmul_tflops"] > 0
+
+
+def test_bench_paged_attention_smoke_writes_a_results_file(tmp_path):
+    out = tmp_path / "paged-smoke.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_paged_attention.py"), "--smoke", "--out", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    recorded = results.load(out)
+    for impl in ("lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA"):
+        assert recorded.select(op="paged_attention", impl=impl)
+    assert recorded.select(op="store_kv", impl="lessonlib")

@@ -1,0 +1,189 @@
+"""paged_attention: decode attention (one new query token per sequence) over a paged KV cache, split along the
+sequence (flash-decoding).
+
+Each sequence's keys and values live in fixed-size blocks scattered over a pool; its block table maps logical
+block i to a physical block. The kernel follows the table. Decode has one query row per head, so one program per
+(sequence, KV head) would leave most of the GPU idle for a few long sequences: the sequence is split into
+``num_splits`` ranges, each program computes a partial softmax-weighted sum over its range (keeping the running max
+and sum, as FlashAttention does), and a second kernel combines the partial results.
+
+All query heads that share a KV head (grouped-query attention) are handled by the same program, so each K/V block is
+read once per KV head, not once per query head.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lessonlib import runtime
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its partial result than on K/V
+
+
+@triton.jit
+def _paged_attention_split_kernel(
+    q_ptr,  # (B, H, D), rows contiguous
+    k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous
+    block_table_ptr,  # (B, max_blocks) int32
+    seq_lens_ptr,  # (B,) int32
+    partial_out_ptr,  # (B, H, num_splits, D) float32: unnormalised sum of p * v over the split
+    partial_max_ptr, partial_sum_ptr,  # (B, H, num_splits) float32: running max and sum of exp(score - max)
+    sm_scale,
+    q_stride_b, q_stride_h,
+    table_stride_b,
+    cache_stride_block, cache_stride_token, cache_stride_head,
+    num_splits, blocks_per_split,
+    GROUP: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # GROUP rounded up to a tl.dot-friendly 16
+    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    HEAD_DIM: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding), else the default
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    t = tl.arange(0, BLOCK_SIZE)
+    heads = kv_head * GROUP + g  # the query heads served by this KV head
+    g_mask = g < GROUP
+    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=g_mask[:, None], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
+    for logical in range(first, last):
+        physical = tl.load(block_table_ptr + b * table_stride_b + logical).to(tl.int64)
+        offsets = physical * cache_stride_block + t[:, None] * cache_stride_token + kv_head * cache_stride_head + d[None, :]
+        k = tl.load(k_cache_ptr + offsets)  # (BLOCK_SIZE, D)
+        v = tl.load(v_cache_ptr + offsets)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_SIZE)
+        valid = (logical * BLOCK_SIZE + t) < seq_len
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        alpha = tl.exp(m - m_new)
+        p = tl.exp(scores - m_new[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+        m = m_new
+
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # index into (B, H, num_splits)
+    tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(partial_max_ptr + row, m, mask=g_mask)
+    tl.store(partial_sum_ptr + row, l, mask=g_mask)
+
+
+@triton.jit
+def _paged_attention_reduce_kernel(
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr,  # as written by the split kernel
+    out_ptr,  # (B, H, D) contiguous
+    num_splits,
+    BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * H + h
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, HEAD_DIM)
+    s_mask = s < num_splits
+    m = tl.load(partial_max_ptr + row * num_splits + s, mask=s_mask, other=float("-inf"))
+    l = tl.load(partial_sum_ptr + row * num_splits + s, mask=s_mask, other=0.0)
+    acc = tl.load(partial_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
+    m_all = tl.max(m, axis=0)
+    weight = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # a split past the sequence's end weighs 0
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
+    tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors() -> int:
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if runtime.on_gpu() else 4
+
+
+def num_splits_for(batch: int, kv_heads: int, max_blocks: int) -> int:
+    """Enough splits that (batch x KV heads x splits) programs cover the GPU about twice, each split at least
+    MIN_BLOCKS_PER_SPLIT blocks long."""
+    wanted = math.ceil(2 * _multiprocessors() / (batch * kv_heads))
+    return max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
+
+    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
+    multiple of 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
+    ``num_splits`` overrides the split count (see :func:`num_splits_for`). Returns (B, H, D).
+    """
+    check_tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
+    if q.dim() != 3:
+        raise ValueError(f"paged_attention: q must be (B, H, D), got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"paged_attention: k_cache and v_cache must be (num_blocks, block_size, Hkv, D) and alike, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"paged_attention: q has head_dim {head_dim}, the cache {cache_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"paged_attention: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"paged_attention: {heads} query heads is not a multiple of {kv_heads} KV heads")
+    if block_size % 16:
+        raise ValueError(f"paged_attention: block_size must be a multiple of 16, got {block_size}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("paged_attention: k_cache and v_cache must be contiguous")
+    for name, t, ndim in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != batch:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"paged_attention: {name} must be an int32 tensor with {ndim} dims and {batch} rows, got {got}")
+        if t.device != q.device:
+            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+    max_blocks = block_table.shape[1]
+    # Checked on the host (one sync) before anything launches: a bad entry would read outside the pool.
+    used = torch.arange(max_blocks, device=q.device)[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
+    too_short, too_long, outside = torch.stack([
+        (seq_lens < 1).any(), (seq_lens > max_blocks * block_size).any(),
+        (used & ((block_table < 0) | (block_table >= num_blocks))).any(),
+    ]).tolist()
+    if too_short:
+        raise ValueError("paged_attention: every seq_len must be >= 1")
+    if too_long:
+        raise ValueError(f"paged_attention: a seq_len exceeds the block table's capacity ({max_blocks} blocks x {block_size})")
+    if outside:
+        raise ValueError(f"paged_attention: the block table points outside the pool of {num_blocks} blocks")
+
+    splits = num_splits or num_splits_for(batch, kv_heads, max_blocks)
+    blocks_per_split = max(1, math.ceil(max_blocks / splits))
+    splits = max(1, math.ceil(max_blocks / blocks_per_split))
+    partial_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    group = heads // kv_heads
+    launch(
+        _paged_attention_split_kernel, (batch, kv_heads, splits),
+        q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum,
+        sm_scale if sm_scale is not None else head_dim ** -0.5,
+        q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+    )
+    launch(
+        _paged_attention_reduce_kernel, (batch * heads,),
+        partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits), HEAD_DIM=head_dim,
+        num_warps=4,
+    )
+    return out
