@@ -10,12 +10,16 @@ from lessonlib import results
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
-    out = tmp_path / "fusion-smoke.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fusion.py"), "--smoke", "--out", str(out)],
+def run_smoke(script: str, tmp_path) -> results.Results:
+    out = tmp_path / "smoke.json"
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), "--smoke", "--out", str(out)],
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    recorded = results.load(out)
+    return results.load(out)
+
+
+def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
+    recorded = run_smoke("bench_fusion.py", tmp_path)
     assert recorded.benchmark == "fusion" and "--smoke" in recorded.command
     assert recorded.select(op="swiglu", impl="lessonlib") and recorded.select(op="launch_overhead")
     assert recorded.notes["launch_counts"]["counts"]["add_rms_norm"]["lessonlib"]["total"] == 1
@@ -34,11 +38,7 @@ def test_committed_gpu_results_name_their_provenance_and_peers():
 
 
 def test_bench_paged_attention_smoke_writes_a_results_file(tmp_path):
-    out = tmp_path / "paged-smoke.json"
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_paged_attention.py"), "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
-    recorded = results.load(out)
+    recorded = run_smoke("bench_paged_attention.py", tmp_path)
     for impl in ("lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA"):
         assert recorded.select(op="paged_attention", impl=impl)
     assert recorded.select(op="store_kv", impl="lessonlib")
