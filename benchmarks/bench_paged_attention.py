@@ -79,9 +79,12 @@ def main():
         record("paged_attention", "SDPA, contiguous cache", shape, time_fn(sdpa, q, k, v).median_us, nbytes)
         record("paged_attention", "gather pages, then SDPA", shape,
                time_fn(lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context))).median_us, nbytes)
-        for splits in (1, 4, 16):
-            record("paged_attention", f"lessonlib num_splits={splits}", shape,
-                   time_fn(ops.paged_attention, q, k_cache, v_cache, table, lens, num_splits=splits).median_us, nbytes)
+        variants = [{"num_splits": s} for s in (1, 4, 16)] + [
+            {"blocks_per_step": bps, "num_warps": w} for bps in (1, 2, 4, 8) for w in (4, 8)]
+        for knobs in variants:
+            label = "lessonlib " + " ".join(f"{k}={v}" for k, v in knobs.items())
+            record("paged_attention", label, shape,
+                   time_fn(ops.paged_attention, q, k_cache, v_cache, table, lens, **knobs).median_us, nbytes)
         del q, k_cache, v_cache, k, v
 
     tokens = 64 if args.smoke else 4096

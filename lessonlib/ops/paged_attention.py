@@ -25,6 +25,7 @@ from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its partial result than on K/V
+TOKENS_PER_STEP = 64  # K/V rows gathered per loop iteration (several cache blocks)
 
 
 @triton.jit
@@ -43,6 +44,7 @@ def _paged_attention_split_kernel(
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a tl.dot-friendly 16
     BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    BLOCKS_PER_STEP: tl.constexpr,  # cache blocks gathered per loop iteration
     HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding), else the default
 ):
@@ -63,13 +65,19 @@ def _paged_attention_split_kernel(
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
-    for logical in range(first, last):
-        physical = tl.load(block_table_ptr + b * table_stride_b + logical).to(tl.int64)
-        offsets = physical * cache_stride_block + t[:, None] * cache_stride_token + kv_head * cache_stride_head + d[None, :]
-        k = tl.load(k_cache_ptr + offsets)  # (BLOCK_SIZE, D)
-        v = tl.load(v_cache_ptr + offsets)
-        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, BLOCK_SIZE)
-        valid = (logical * BLOCK_SIZE + t) < seq_len
+    # BLOCKS_PER_STEP cache blocks per iteration: one 16-token block (4 KB of K) is too little work per step to
+    # keep enough loads in flight. Token j of a step lives in block table[logical + j // BLOCK_SIZE].
+    j = tl.arange(0, BLOCKS_PER_STEP * BLOCK_SIZE)
+    for logical in range(first, last, BLOCKS_PER_STEP):
+        block_of_token = logical + j // BLOCK_SIZE
+        in_split = block_of_token < last
+        physical = tl.load(block_table_ptr + b * table_stride_b + block_of_token, mask=in_split, other=0).to(tl.int64)
+        offsets = (physical * cache_stride_block + (j % BLOCK_SIZE) * cache_stride_token)[:, None] \
+            + kv_head * cache_stride_head + d[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=in_split[:, None], other=0.0)  # (BLOCKS_PER_STEP * BLOCK_SIZE, D)
+        v = tl.load(v_cache_ptr + offsets, mask=in_split[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, tokens)
+        valid = in_split & ((logical * BLOCK_SIZE + j) < seq_len)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
@@ -120,12 +128,14 @@ def num_splits_for(batch: int, kv_heads: int, max_blocks: int) -> int:
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
+    blocks_per_step: int | None = None, num_warps: int = 4,
 ) -> torch.Tensor:
     """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
 
     q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
-    multiple of 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
-    ``num_splits`` overrides the split count (see :func:`num_splits_for`). Returns (B, H, D).
+    power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
+    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step`` and ``num_warps``
+    are tuning knobs for benchmarks. Returns (B, H, D).
     """
     check_tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     if q.dim() != 3:
@@ -141,8 +151,10 @@ def paged_attention(
         raise ValueError(f"paged_attention: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
     if heads % kv_heads:
         raise ValueError(f"paged_attention: {heads} query heads is not a multiple of {kv_heads} KV heads")
-    if block_size % 16:
-        raise ValueError(f"paged_attention: block_size must be a multiple of 16, got {block_size}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"paged_attention: block_size must be a power of two, at least 16, got {block_size}")
+    if blocks_per_step is not None and (blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1)):
+        raise ValueError(f"paged_attention: blocks_per_step must be a power of two, got {blocks_per_step}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: k_cache and v_cache must be contiguous")
     for name, t, ndim in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
@@ -178,8 +190,9 @@ def paged_attention(
         q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum,
         sm_scale if sm_scale is not None else head_dim ** -0.5,
         q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
-        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4,
+        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size,
+        BLOCKS_PER_STEP=blocks_per_step or max(1, TOKENS_PER_STEP // block_size), HEAD_DIM=head_dim,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
     )
     launch(
         _paged_attention_reduce_kernel, (batch * heads,),

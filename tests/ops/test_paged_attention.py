@@ -38,9 +38,11 @@ def test_paged_attention_matches_reference(seq_lens, heads, kv_heads, head_dim, 
 
 
 @pytest.mark.parametrize("num_splits", [1, 2, 3, 7])
-def test_every_split_count_gives_the_same_attention(num_splits, dtype):
-    # 7 splits over 8 blocks: some splits are empty for the shorter sequences and must weigh nothing.
-    check(*paged_inputs([128, 20, 1], 8, 2, 32, 16, dtype), num_splits=num_splits)
+@pytest.mark.parametrize("blocks_per_step", [1, 2, None])
+def test_every_split_and_step_gives_the_same_attention(num_splits, blocks_per_step, dtype):
+    # 7 splits over 8 blocks: some splits are empty for the shorter sequences and must weigh nothing; several
+    # blocks per step leave partial steps at the end of a split.
+    check(*paged_inputs([128, 20, 1], 8, 2, 32, 16, dtype), num_splits=num_splits, blocks_per_step=blocks_per_step)
 
 
 def test_paged_attention_through_a_paged_kv_cache(dtype):
@@ -102,7 +104,13 @@ def test_padding_beyond_seq_len_is_not_validated():
     check(*args)
 
 
-def test_paged_attention_rejects_block_size_not_multiple_of_16():
-    q, k_cache, v_cache, table, lens = paged_inputs([5], 4, 2, 32, 8, torch.float32)
-    with pytest.raises(ValueError, match="multiple of 16"):
+@pytest.mark.parametrize("block_size", [8, 48])
+def test_paged_attention_rejects_unsupported_block_sizes(block_size):
+    q, k_cache, v_cache, table, lens = paged_inputs([5], 4, 2, 32, block_size, torch.float32)
+    with pytest.raises(ValueError, match="power of two, at least 16"):
         ops.paged_attention(q, k_cache, v_cache, table, lens)
+
+
+def test_paged_attention_rejects_blocks_per_step_not_a_power_of_two():
+    with pytest.raises(ValueError, match="blocks_per_step"):
+        ops.paged_attention(*good(), blocks_per_step=3)
