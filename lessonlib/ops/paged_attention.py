@@ -125,17 +125,36 @@ def num_splits_for(batch: int, kv_heads: int, max_blocks: int) -> int:
     return max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
+def _check_tables(block_table, seq_lens, num_blocks, block_size) -> None:
+    """Every seq_len in [1, capacity] and every block a sequence uses inside the pool. One device sync."""
+    max_blocks = block_table.shape[1]
+    used = torch.arange(max_blocks, device=block_table.device)[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
+    too_short, too_long, outside = torch.stack([
+        (seq_lens < 1).any(), (seq_lens > max_blocks * block_size).any(),
+        (used & ((block_table < 0) | (block_table >= num_blocks))).any(),
+    ]).tolist()
+    if too_short:
+        raise ValueError("paged_attention: every seq_len must be >= 1")
+    if too_long:
+        raise ValueError(f"paged_attention: a seq_len exceeds the block table's capacity ({max_blocks} blocks x {block_size})")
+    if outside:
+        raise ValueError(f"paged_attention: the block table points outside the pool of {num_blocks} blocks")
+
+
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
-    blocks_per_step: int | None = None, num_warps: int = 4,
+    blocks_per_step: int | None = None, num_warps: int = 4, validate: bool = True,
 ) -> torch.Tensor:
     """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
 
     q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
     power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
     ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step`` and ``num_warps``
-    are tuning knobs for benchmarks. Returns (B, H, D).
+    are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
+    cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
+    by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
+    Returns (B, H, D).
     """
     check_tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     if q.dim() != 3:
@@ -164,18 +183,8 @@ def paged_attention(
         if t.device != q.device:
             raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
     max_blocks = block_table.shape[1]
-    # Checked on the host (one sync) before anything launches: a bad entry would read outside the pool.
-    used = torch.arange(max_blocks, device=q.device)[None, :] < ((seq_lens + block_size - 1) // block_size)[:, None]
-    too_short, too_long, outside = torch.stack([
-        (seq_lens < 1).any(), (seq_lens > max_blocks * block_size).any(),
-        (used & ((block_table < 0) | (block_table >= num_blocks))).any(),
-    ]).tolist()
-    if too_short:
-        raise ValueError("paged_attention: every seq_len must be >= 1")
-    if too_long:
-        raise ValueError(f"paged_attention: a seq_len exceeds the block table's capacity ({max_blocks} blocks x {block_size})")
-    if outside:
-        raise ValueError(f"paged_attention: the block table points outside the pool of {num_blocks} blocks")
+    if validate:
+        _check_tables(block_table, seq_lens, num_blocks, block_size)
 
     splits = num_splits or num_splits_for(batch, kv_heads, max_blocks)
     blocks_per_split = max(1, math.ceil(max_blocks / splits))

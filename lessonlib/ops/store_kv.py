@@ -32,9 +32,13 @@ def _store_kv_kernel(
         tl.store(v_cache_ptr + slot * row + cols, tl.load(v_ptr + token * v_token_stride + cols, mask=mask), mask=mask)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+             validate: bool = True) -> None:
     """k, v: (T, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim),
-    contiguous; slots: (T,) integer, distinct, each below num_blocks * block_size. Writes in place."""
+    contiguous; slots: (T,) integer, distinct, each below num_blocks * block_size. Writes in place.
+
+    ``validate=False`` skips the range and distinctness checks of ``slots`` (a device sync and a sort per call):
+    only for slots from a trusted source, such as PagedKVCache, which builds them from its own block tables."""
     check_tensors("store_kv", k=k, v=v, k_cache=k_cache, v_cache=v_cache)
     if k.dim() != 3 or k.shape != v.shape:
         raise ValueError(f"store_kv: k and v must both be (T, num_kv_heads, head_dim), got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -54,10 +58,10 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k.shape[0] == 0:
         return
     num_slots = k_cache.shape[0] * k_cache.shape[1]
-    # Validated on the host before launch (one sync): a bad slot would write outside the pool or race.
-    if bool(((slots < 0) | (slots >= num_slots)).any()):
+    # Checked on the host before launch: a bad slot would write outside the pool, a repeated one would race.
+    if validate and bool(((slots < 0) | (slots >= num_slots)).any()):
         raise ValueError(f"store_kv: slots must lie in [0, {num_slots})")
-    if torch.unique(slots).numel() != slots.numel():
+    if validate and torch.unique(slots).numel() != slots.numel():
         raise ValueError("store_kv: two tokens map to the same slot")
     block = min(next_power_of_2(row), 4096)
     launch(_store_kv_kernel, (k.shape[0],), k, v, k_cache, v_cache, slots.to(torch.int64), k.stride(0), v.stride(0),

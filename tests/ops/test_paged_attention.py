@@ -114,3 +114,10 @@ def test_paged_attention_rejects_unsupported_block_sizes(block_size):
 def test_paged_attention_rejects_blocks_per_step_not_a_power_of_two():
     with pytest.raises(ValueError, match="blocks_per_step"):
         ops.paged_attention(*good(), blocks_per_step=3)
+
+
+def test_validate_false_skips_only_the_table_checks():
+    args = good()
+    torch.testing.assert_close(ops.paged_attention(*args, validate=False), ops.paged_attention(*args), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="head_dim"):  # shapes are still checked
+        ops.paged_attention(args[0][..., :16], *args[1:], validate=False)
