@@ -21,6 +21,18 @@ IMPL_COLORS = {
 }
 
 
+def _plain_log_ticks(ax) -> None:
+    """Label log axes 0.01 … 1000 in plain text. The default labels (10^k) go through matplotlib's mathtext parser,
+    which is not safe to call from two threads at once, and a widget callback in JupyterLab may run on a kernel
+    subshell's thread (seen as an intermittent "ParseException: Expected end of text" on a slider move)."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    for axis in (ax.xaxis, ax.yaxis):
+        if axis.get_scale() == "log":
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.set_minor_formatter(NullFormatter())
+
+
 def _footnote(fig, text: str) -> None:
     fig.text(0.01, 0.005, text, fontsize=7, color="#555555", ha="left", va="bottom", wrap=True)
 
@@ -51,6 +63,7 @@ def roofline(ceilings: Ceilings, points: list[tuple[str, float, float | None]] =
     ax.set_title(f"Roofline: {ceilings.bandwidth_gbs:,.0f} GB/s copy, {ceilings.matmul_tflops:,.0f} TFLOP/s bf16 matmul")
     ax.legend(loc="lower right", fontsize=7)
     ax.grid(True, which="both", alpha=0.2)
+    _plain_log_ticks(ax)
     _footnote(fig, f"ceilings {ceilings.source}")
     fig.tight_layout(rect=(0, 0.04, 1, 1))
     return fig
@@ -120,6 +133,7 @@ def per_call_time(results: Results, op: str, ax=None):
     ax.set_title(f"{op}: below ~1k tokens the time is launch overhead, not bytes")
     ax.legend()
     ax.grid(True, which="both", alpha=0.2)
+    _plain_log_ticks(ax)
     _footnote(fig, results.provenance())
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig

@@ -54,7 +54,12 @@ class JupyterLab:
                 if cell.cell_type == "code":
                     cell.outputs, cell.execution_count = [], None
             nbformat.write(notebook, root / path.name)
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
+        # Every cell stays in the page (no windowing), so tests see all prompts and outputs wherever they scroll.
+        settings = root / ".settings" / "@jupyterlab" / "notebook-extension"
+        settings.mkdir(parents=True)
+        (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "JUPYTERLAB_SETTINGS_DIR": str(root / ".settings"),
+               "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
         self.log = open(root / "lab.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={self.port}",
@@ -110,12 +115,13 @@ class JupyterLab:
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
 
     def run_all(self, page, timeout_ms: int = 300_000) -> None:
-        """Run → Run All Cells, then wait until the kernel is idle and no cell is still queued ([*])."""
+        """Run → Run All Cells, then wait until every code cell has an execution number and the kernel is idle.
+        (Waiting only for "no [*]" races the click: just after it, no cell is queued yet.)"""
         page.click(".lm-MenuBar-itemLabel:text-is('Run')")
         page.click(".lm-Menu-itemLabel:text-is('Run All Cells')")
         page.wait_for_function(
-            "() => document.querySelectorAll('.jp-InputPrompt').length > 0 && "
-            "[...document.querySelectorAll('.jp-InputPrompt')].every(p => !p.textContent.includes('*'))",
+            "() => { const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')];"
+            " return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent)); }",
             timeout=timeout_ms,
         )
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)

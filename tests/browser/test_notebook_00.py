@@ -30,12 +30,14 @@ def test_roofline_explorer_follows_its_slider():
         assert re.search(r"gated_mlp at T=8192: .* compute-bound", before_text), before_text
 
         handle = lab.slider(page, "tokens T")
+        handle.scroll_into_view_if_needed()
         handle.focus()
         handle.press("ArrowRight")
+        # The kernel redraws text and figure in turn; wait for both, read from the page (not from visibility).
         page.wait_for_function(
-            "(old) => { const pre = document.querySelector('.widget-interact .jp-OutputArea-output pre');"
-            " return pre && pre.innerText !== old; }", arg=before_text, timeout=60_000)
+            "([oldText, oldPlot]) => { const view = document.querySelector('.widget-interact');"
+            " const pre = view.querySelector('.jp-OutputArea-output pre'); const img = view.querySelector('img');"
+            " return pre && img && pre.innerText !== oldText && img.getAttribute('src') !== oldPlot; }",
+            arg=[before_text, before_plot], timeout=60_000)
         after_text = summary.inner_text()
         assert "gated_mlp at T=8193" in after_text, after_text
-        view.locator("img").first.wait_for(timeout=60_000)
-        assert view.locator("img").first.get_attribute("src") != before_plot, "the plot did not change"
