@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from functools import lru_cache
 
 import torch
@@ -108,3 +109,24 @@ def gpu_only(what: str) -> bool:
         return True
     print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). The recorded H200 results are shown instead.")
     return False
+
+
+def scratch_dir() -> Path:
+    """The course's own folder for things it builds and caches (the tiny model, compiler caches): ``scratch/`` in
+    the repository checkout, or ``$LESSONLIB_SCRATCH``; outside a checkout (a pip install), ``./scratch``."""
+    if os.environ.get("LESSONLIB_SCRATCH"):
+        root = Path(os.environ["LESSONLIB_SCRATCH"])
+    else:
+        checkout = Path(__file__).resolve().parents[1]
+        root = (checkout if (checkout / "pyproject.toml").exists() and (checkout / "notebooks").is_dir() else Path.cwd()) / "scratch"
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def point_caches() -> dict[str, str]:
+    """Point vLLM's, Inductor's and Triton's caches into :func:`scratch_dir` unless the user set them; return them.
+    Call it before importing vllm or compiling anything (those read the variables once)."""
+    caches = {"VLLM_CACHE_ROOT": "vllm", "TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+    for variable, folder in caches.items():
+        os.environ.setdefault(variable, str(scratch_dir() / "cache" / folder))
+    return {variable: os.environ[variable] for variable in caches}

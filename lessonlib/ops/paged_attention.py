@@ -141,21 +141,9 @@ def _check_tables(block_table, seq_lens, num_blocks, block_size) -> None:
         raise ValueError(f"paged_attention: the block table points outside the pool of {num_blocks} blocks")
 
 
-def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-    seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
-    blocks_per_step: int | None = None, num_warps: int = 4, validate: bool = True,
-) -> torch.Tensor:
-    """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
-
-    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
-    power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
-    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step`` and ``num_warps``
-    are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
-    cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
-    by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
-    Returns (B, H, D).
-    """
+def check_inputs(q, k_cache, v_cache, block_table, seq_lens, *, validate: bool = True) -> None:
+    """Every check :func:`paged_attention` makes before launching; ``validate=False`` skips the two that read
+    block_table and seq_lens on the device (see paged_attention)."""
     check_tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     if q.dim() != 3:
         raise ValueError(f"paged_attention: q must be (B, H, D), got {tuple(q.shape)}")
@@ -172,8 +160,6 @@ def paged_attention(
         raise ValueError(f"paged_attention: {heads} query heads is not a multiple of {kv_heads} KV heads")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"paged_attention: block_size must be a power of two, at least 16, got {block_size}")
-    if blocks_per_step is not None and (blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1)):
-        raise ValueError(f"paged_attention: blocks_per_step must be a power of two, got {blocks_per_step}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("paged_attention: k_cache and v_cache must be contiguous")
     for name, t, ndim in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
@@ -182,9 +168,31 @@ def paged_attention(
             raise TypeError(f"paged_attention: {name} must be an int32 tensor with {ndim} dims and {batch} rows, got {got}")
         if t.device != q.device:
             raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
-    max_blocks = block_table.shape[1]
     if validate:
         _check_tables(block_table, seq_lens, num_blocks, block_size)
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
+    blocks_per_step: int | None = None, num_warps: int = 4, validate: bool = True,
+) -> torch.Tensor:
+    """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
+
+    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
+    power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
+    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step`` and ``num_warps``
+    are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
+    cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
+    by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
+    Returns (B, H, D).
+    """
+    check_inputs(q, k_cache, v_cache, block_table, seq_lens, validate=validate)
+    if blocks_per_step is not None and (blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1)):
+        raise ValueError(f"paged_attention: blocks_per_step must be a power of two, got {blocks_per_step}")
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    max_blocks = block_table.shape[1]
 
     splits = num_splits or num_splits_for(batch, kv_heads, max_blocks)
     blocks_per_split = max(1, math.ceil(max_blocks / splits))

@@ -1,0 +1,76 @@
+"""A tiny Qwen2-architecture language model, built here with nothing downloaded: a byte-level BPE tokenizer trained
+on a few paragraphs of this course, and random weights saved as safetensors. It loads in vLLM and in Hugging Face
+transformers alike, which is all lesson 06 needs: the text it writes is nonsense, the serving machinery is real.
+
+    path = tiny_model.build()          # once; later calls reuse the folder
+    LLM(model=str(path), ...)          # vLLM
+    AutoModelForCausalLM.from_pretrained(path)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lessonlib import runtime
+
+# The tokenizer's training text: the course's own vocabulary, so prompts about attention tokenize into few pieces.
+CORPUS = """\
+Attention reads every key and value of a sequence for every query. The score matrix grows with the square of the
+sequence length, so FlashAttention computes it tile by tile and keeps a running maximum and a running sum: the
+online softmax. Decode reads the whole KV cache to produce one token, so its speed is the speed of memory.
+A paged KV cache stores keys and values in fixed-size blocks. A block table maps each sequence's logical blocks to
+physical blocks in a shared pool, as an operating system maps virtual pages to physical frames. Blocks are
+allocated as a sequence grows and returned to the pool when it finishes; sequences that share a prompt share its
+blocks, and a shared block is copied before it is written. vLLM schedules many requests at once, batches their
+decode steps, and runs paged attention over their block tables. Operator fusion keeps intermediate values in
+registers instead of writing them to memory; CUDA graphs replay a recorded sequence of kernel launches.
+The quick brown fox jumps over the lazy dog. Hello, my name is Ada. The capital of France is Paris.
+The future of AI is open, fast and efficient. Once upon a time there was a small model that learned to serve.
+"""
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def default_path() -> Path:
+    return runtime.scratch_dir() / "tiny-qwen2"
+
+
+def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size: int = 128, num_layers: int = 2,
+          num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0, overwrite: bool = False) -> Path:
+    """Write the tokenizer, config and weights to ``path`` (default: the course's scratch folder) and return it.
+
+    Head size is hidden_size / num_heads (32 by default); num_heads / num_kv_heads is the GQA group (2).
+    Weights are drawn with a wider spread than a real initialisation (std 0.2 instead of 0.02) so that the next
+    token is decided by clear margins: greedy decoding then means the same thing in every engine and dtype check.
+    """
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    path = Path(path) if path is not None else default_path()
+    if (path / "model.safetensors").exists() and not overwrite:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    bpe.train_from_iterator([CORPUS], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.save_pretrained(path)
+
+    config = Qwen2Config(
+        vocab_size=bpe.get_vocab_size(), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
+        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id,
+                                                             "do_sample": False}))
+    return path
