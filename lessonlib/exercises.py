@@ -105,3 +105,34 @@ def check_apply_rope(fn) -> None:
             _check_output("apply_rope: q_rot", result[0], truth[0], low[0], args)
             _check_output("apply_rope: k_rot", result[1], truth[1], low[1], args)
     print("✓ apply_rope matches the reference (3 shapes x every supported dtype)")
+
+
+def check_blocks_needed(fn) -> None:
+    """``fn(prompt_tokens, max_tokens, block_size)`` predicts how many KV-cache blocks vLLM's block manager holds for
+    one request at its peak. Checked against the engine itself: each prediction is compared with the blocks the
+    engine's manager really allocated for a request of that many prompt tokens and generated tokens."""
+    import random
+
+    from lessonlib import serving  # first: it fixes Triton's mode before vllm imports triton
+
+    from vllm import SamplingParams
+
+    llm = serving.shared_engine()
+    block_size = llm.llm_engine.vllm_config.cache_config.block_size
+    rng = random.Random()
+    cases = [(block_size, 1), (block_size, 2), (block_size - 1, 2), (1, 1), (1, block_size)]
+    cases += [(rng.randrange(1, 4 * block_size), rng.randrange(1, 3 * block_size)) for _ in range(3)]
+    prompts = [[rng.randrange(10, 400) for _ in range(prompt_tokens)] for prompt_tokens, _ in cases]
+    for (prompt_tokens, max_tokens), prompt in zip(cases, prompts):
+        try:
+            predicted = fn(prompt_tokens, max_tokens, block_size)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"blocks_needed: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+        _, [trace] = serving.generate_tracing_blocks(
+            llm, [prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
+        if predicted != trace.peak_blocks:
+            raise ExerciseFailed(
+                f"blocks_needed({prompt_tokens}, {max_tokens}, {block_size}) = {predicted}, but the engine held "
+                f"{trace.peak_blocks} blocks for a {prompt_tokens}-token prompt generating {max_tokens} tokens. "
+                "Which tokens' K and V does the engine ever write? (Think about the very last token it samples.)")
+    print(f"blocks_needed: correct on {len(cases)} requests, each checked against vLLM's own block manager")

@@ -16,6 +16,7 @@ and block manager; a script that leaves the default gets vLLM's separate engine 
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import socket
@@ -96,6 +97,13 @@ def start_engine(model: str | None = None, block_size: int | None = None, **over
     return LLM(**{**engine_settings(model or choose_model(), block_size), **overrides})
 
 
+@functools.lru_cache(maxsize=None)
+def shared_engine():
+    """One in-process engine per Python process, with this machine's settings, for the notebook, its exercise
+    checkers and the tests (a tiny-model engine starts in seconds, but only once is better)."""
+    return start_engine()
+
+
 def _layer_backends(worker) -> dict[str, str]:
     """Runs inside vLLM's worker (through collective_rpc): the attention backend of every attention layer."""
     layers = worker.model_runner.vllm_config.compilation_config.static_forward_context
@@ -126,25 +134,35 @@ class BlockTrace:
     block_ids: list[int]
 
 
-def generate_tracing_blocks(llm, prompts: Sequence[str], sampling_params) -> tuple[list[str], list[BlockTrace]]:
-    """Run ``prompts`` step by step through the engine and record, per request, the blocks its KV-cache manager
-    held (the most at once). Returns the generated texts and the traces, in prompt order."""
-    engine, sched = llm.llm_engine, scheduler(llm)
-    manager = sched.kv_cache_manager
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"lesson-{i}", prompt, sampling_params)
+def generate_tracing_blocks(llm, prompts: Sequence[str | list[int]], sampling_params) -> tuple[list[str], list[BlockTrace]]:
+    """Run ``prompts`` (texts, or lists of token ids) step by step through the engine and record, per request, the
+    blocks its KV-cache manager held (the most at once, read after every allocation the scheduler makes).
+    Returns the generated texts and the traces, in prompt order."""
+    engine, manager = llm.llm_engine, scheduler(llm).kv_cache_manager
     traces: dict[int, BlockTrace] = {}
+    allocate = manager.allocate_slots
+
+    def allocate_and_record(request, *args, **kwargs):
+        blocks = allocate(request, *args, **kwargs)
+        held = manager.get_block_ids(request.request_id)[0]
+        trace = traces.setdefault(_index(request.request_id), BlockTrace(len(request.prompt_token_ids), 0, 0, []))
+        if len(held) > trace.peak_blocks:
+            trace.peak_blocks, trace.block_ids = len(held), list(held)
+        return blocks
+
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"lesson-{i}", {"prompt_token_ids": prompt} if isinstance(prompt, list) else prompt,
+                           sampling_params)
     texts: dict[int, str] = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                texts[_index(output.request_id)] = output.outputs[0].text
-                traces[_index(output.request_id)].output_tokens = len(output.outputs[0].token_ids)
-        for request_id, request in sched.requests.items():
-            blocks = manager.get_block_ids(request_id)[0]
-            trace = traces.setdefault(_index(request_id), BlockTrace(len(request.prompt_token_ids), 0, 0, []))
-            if len(blocks) > trace.peak_blocks:
-                trace.peak_blocks, trace.block_ids = len(blocks), list(blocks)
+    manager.allocate_slots = allocate_and_record
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    texts[_index(output.request_id)] = output.outputs[0].text
+                    traces[_index(output.request_id)].output_tokens = len(output.outputs[0].token_ids)
+    finally:
+        del manager.allocate_slots  # back to the class's method
     order = sorted(traces)
     return [texts[i] for i in order], [traces[i] for i in order]
 
