@@ -32,6 +32,8 @@ runtime.mode()
 # vLLM logs its start-up at length (INFO and WARNING: CPU tuning hints, dtype casts); the lesson prints what matters
 # itself. Read when vllm is first imported; set VLLM_LOGGING_LEVEL=INFO to see everything.
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# vLLM's, Inductor's and Triton's caches go to the course's scratch folder, before anything reads the variables.
+runtime.point_caches()
 
 SEED_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
 SEED_PROMPTS = ["Hello, my name is", "The future of AI is"]
@@ -94,7 +96,6 @@ def engine_settings(model: str, block_size: int | None = None) -> dict:
 def start_engine(model: str | None = None, block_size: int | None = None, **overrides):
     """``vllm.LLM`` in this process, with :func:`engine_settings`; caches inside the course's scratch folder."""
     require_vllm()
-    runtime.point_caches()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
@@ -387,7 +388,6 @@ def vllm_paged_attention(q, k_cache, v_cache, block_table, seq_lens, sm_scale=No
 def run_seed_example(max_tokens: int = 64) -> None:
     """The seed's example as a script: vLLM's default engine (a separate engine process, spawned workers)."""
     require_vllm()
-    runtime.point_caches()
     from vllm import LLM, SamplingParams
 
     settings = engine_settings(choose_model())

@@ -1,0 +1,336 @@
+"""FlashAttention (forward and backward) in Triton, the algorithm of ``lessonlib.reference.flash_attention_tiled``.
+
+Forward: one program per (query tile, batch x head). It streams the key/value tiles of its KV head through on-chip
+memory, keeps the online-softmax state (running max ``m``, running sum ``l``, unnormalised output ``acc``) in
+registers, and writes the output and the log-sum-exp (LSE) once. Scores never reach HBM.
+
+Backward (FlashAttention-2): P is recomputed from Q, K and the saved LSE instead of being stored.
+``delta_i = sum_d dO_i * O_i`` is one small PyTorch op. Then one kernel per key/value tile accumulates dK and dV
+over every query tile and every query head of its GQA group (no atomics), and one kernel per query tile accumulates
+dQ over the key/value tiles.
+
+Causal attention is aligned to the end (query i sees keys j <= i + Nkv - Nq). Key tiles entirely above the diagonal
+are never visited; tiles that need no mask (fully visible, fully in bounds) run a mask-free loop, and only the
+diagonal band and the ragged last tile pay for masking.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from lessonlib import runtime
+from lessonlib.ops._common import check_tensors, launch
+
+HEAD_DIMS = (16, 32, 64, 128)
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, lo, hi, n_kv, causal_offset,
+                  qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Fold key/value tiles [lo, hi) into the online-softmax state. MASKED: apply bounds and the causal mask."""
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = lo + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_ptrs = k_base + offs_n[None, :] * stride_kn + offs_d[:, None]  # K^T tile: (HEAD_DIM, BLOCK_N)
+    v_ptrs = v_base + offs_n[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
+    for start_n in range(lo, hi, BLOCK_N):
+        if MASKED:
+            in_bounds = offs_n < n_kv
+            k = tl.load(k_ptrs, mask=in_bounds[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k) * qk_scale  # scores in log2 units
+        if MASKED:
+            visible = in_bounds[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old maximum
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+        k_ptrs += BLOCK_N * stride_kn
+        v_ptrs += BLOCK_N * stride_vn
+        offs_n += BLOCK_N
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _flash_attention_forward_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    heads, n_q, n_kv, sm_scale,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    kv_head = head // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
+
+    # A finite start for the running max: a row that sees no key keeps l = 0 and no inf - inf appears.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
+
+    # Key tiles [0, full_hi) are visible to every row of this query tile and in bounds: no mask.
+    # Tiles [full_hi, hi) need one; tiles from hi on are above the diagonal (causal) or past the end: skipped.
+    causal_offset = n_kv - n_q
+    if CAUSAL:
+        hi = tl.minimum(n_kv, start_m + BLOCK_M + causal_offset)
+        full_hi = tl.minimum((start_m + causal_offset + 1) // BLOCK_N * BLOCK_N, n_kv // BLOCK_N * BLOCK_N)
+    else:
+        hi = n_kv
+        full_hi = n_kv // BLOCK_N * BLOCK_N
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(tl.minimum(full_hi, hi), 0)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, 0, full_hi, n_kv,
+                                  causal_offset, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
+    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, full_hi, hi, n_kv,
+                                  causal_offset, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw no key: 0
+    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
+    row_ok = offs_m < n_q
+    o_base = out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(lse_ptr + (batch * heads + head).to(tl.int64) * n_q + offs_m, lse, mask=row_ok)
+
+
+@triton.jit
+def _flash_attention_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    heads, kv_heads, n_q, n_kv, sm_scale,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """dK, dV for one key/value tile of one KV head: sum over its GROUP query heads and the query tiles that see it."""
+    start_n = tl.program_id(0) * BLOCK_N
+    batch = tl.program_id(1) // kv_heads
+    kv_head = tl.program_id(1) % kv_heads
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    n_ok = offs_n < n_kv
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    causal_offset = n_kv - n_q
+    lo = 0
+    if CAUSAL:  # query i sees key j when i >= j - offset: start at the query tile holding start_n - offset
+        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = do_ptr + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        row_base = (batch * heads + head).to(tl.int64) * n_q
+        offs_m = lo + tl.arange(0, BLOCK_M)
+        for start_m in range(lo, n_q, BLOCK_M):
+            m_ok = offs_m < n_q
+            q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+            s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): scores transposed, log2 units
+            visible = n_ok[:, None] & m_ok[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
+            p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
+            dv += tl.dot(p_t.to(do.dtype), do)
+            dp_t = tl.dot(v, tl.trans(do))
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+            offs_m += BLOCK_M
+    dk *= sm_scale
+    out_offsets = (batch * kv_heads + kv_head).to(tl.int64) * n_kv * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dk_ptr + out_offsets, dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
+    tl.store(dv_ptr + out_offsets, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
+
+
+@triton.jit
+def _flash_attention_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    heads, n_q, n_kv, sm_scale,
+    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """dQ for one query tile of one head: sum over the key/value tiles it sees."""
+    start_m = tl.program_id(0) * BLOCK_M
+    batch = tl.program_id(1) // heads
+    head = tl.program_id(1) % heads
+    kv_head = head // GROUP
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < n_q
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    do_base = do_ptr + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    row_base = (batch * heads + head).to(tl.int64) * n_q
+    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    qk_scale = sm_scale * 1.4426950408889634
+
+    causal_offset = n_kv - n_q
+    hi = n_kv
+    if CAUSAL:
+        hi = tl.maximum(tl.minimum(n_kv, start_m + BLOCK_M + causal_offset), 0)
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(0, hi, BLOCK_N):
+        n_ok = offs_n < n_kv
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        visible = m_ok[:, None] & n_ok[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
+        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+        offs_n += BLOCK_N
+    dq *= sm_scale
+    out_offsets = (batch * heads + head).to(tl.int64) * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(dq_ptr + out_offsets, dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def supported_dtypes() -> tuple[torch.dtype, ...]:
+    """float16 and bfloat16 on a GPU; float32 and float16 in the interpreter (no bfloat16 there, and ``tl.dot`` on a
+    GPU would run float32 as TF32)."""
+    return (torch.float16, torch.bfloat16) if runtime.on_gpu() else (torch.float32, torch.float16)
+
+
+def forward_config(head_dim: int) -> dict:
+    """Tile sizes and warps for the forward kernel. In the interpreter, small tiles keep each step cheap."""
+    if not runtime.on_gpu():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
+
+
+def backward_config(head_dim: int) -> dict:
+    if not runtime.on_gpu():
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Every check made before a launch: rank, batch, heads, head_dim, dtype, device, lengths."""
+    check_tensors("flash_attention", q=q, k=k, v=v)
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"flash_attention: {name} must be (B, H, N, D), got shape {tuple(t.shape)}")
+    if q.dtype not in supported_dtypes():
+        where = "on the GPU" if runtime.on_gpu() else "in Triton's interpreter"
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported {where}; use one of "
+                        f"{', '.join(map(str, supported_dtypes()))}")
+    if k.shape != v.shape:
+        raise ValueError(f"flash_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    batch, heads, n_q, head_dim = q.shape
+    if k.shape[0] != batch:
+        raise ValueError(f"flash_attention: batch sizes differ: q has {batch}, k and v have {k.shape[0]}")
+    if k.shape[3] != head_dim:
+        raise ValueError(f"flash_attention: head_dim differs: q has {head_dim}, k and v have {k.shape[3]}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"flash_attention: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if heads % k.shape[1]:
+        raise ValueError(f"flash_attention: {heads} query heads is not a multiple of {k.shape[1]} KV heads")
+    if n_q < 1 or k.shape[2] < 1:
+        raise ValueError(f"flash_attention: sequence lengths must be >= 1, got Nq={n_q}, Nkv={k.shape[2]}")
+
+
+def _forward(q, k, v, causal, sm_scale):
+    batch, heads, n_q, head_dim = q.shape
+    kv_heads, n_kv = k.shape[1], k.shape[2]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
+    config = forward_config(head_dim)
+    grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
+    launch(_flash_attention_forward_kernel, grid, q, k, v, out, lse,
+           q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+           v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+           heads, n_q, n_kv, sm_scale, GROUP=heads // kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, **config)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, grad_out, causal, sm_scale):
+    batch, heads, n_q, head_dim = q.shape
+    kv_heads, n_kv = k.shape[1], k.shape[2]
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    delta = (grad_out.float() * out.float()).sum(-1)  # (B, H, Nq): rowsum(dO * O) = rowsum(P * dP)
+    dq = torch.empty(batch, heads, n_q, head_dim, dtype=q.dtype, device=q.device)
+    dk = torch.empty(batch, kv_heads, n_kv, head_dim, dtype=k.dtype, device=k.device)
+    dv = torch.empty_like(dk)
+    config = backward_config(head_dim)
+    strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+               v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
+    meta = dict(GROUP=heads // kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, **config)
+    launch(_flash_attention_dkdv_kernel, (triton.cdiv(n_kv, config["BLOCK_N"]), batch * kv_heads),
+           q, k, v, grad_out, lse, delta, dk, dv, *strides, heads, kv_heads, n_q, n_kv, sm_scale, **meta)
+    launch(_flash_attention_dq_kernel, (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads),
+           q, k, v, grad_out, lse, delta, dq, *strides, heads, n_q, n_kv, sm_scale, **meta)
+    return dq, dk, dv
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, sm_scale):
+        out, lse = _forward(q, k, v, causal, sm_scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.mark_non_differentiable(lse)
+        ctx.causal, ctx.sm_scale = causal, sm_scale
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
+        return dq, dk, dv, None, None
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                    sm_scale: float | None = None, return_lse: bool = False):
+    """Attention without the score matrix, like ``lessonlib.reference.attention`` (no additive mask), with autograd.
+
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D), H a multiple of Hkv (MHA, GQA, MQA); any Nq, Nkv >= 1; D in
+    {16, 32, 64, 128}; last dimension contiguous, other strides free. ``causal=True`` aligns the mask to the end
+    (query i sees keys j <= i + Nkv - Nq); a query that sees no key gets 0. Gradients flow to q, k and v through
+    the Triton backward. ``return_lse=True`` also returns the log-sum-exp per query, (B, H, Nq) float32, as a
+    constant (no gradient flows through it).
+    """
+    check_inputs(q, k, v)
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out, lse = _FlashAttention.apply(q, k, v, bool(causal), float(scale))
+    return (out, lse) if return_lse else out
