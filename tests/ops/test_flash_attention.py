@@ -1,0 +1,156 @@
+import pytest
+import torch
+
+from lessonlib import ops, reference, runtime
+from lessonlib.ops.flash_attention import forward_config, supported_dtypes
+from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from tests.conftest import DEVICE, randn
+
+FA_DTYPES = supported_dtypes()
+
+
+@pytest.fixture(params=FA_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+def fa_dtype(request):
+    return request.param
+
+
+def inputs(batch, heads, kv_heads, n_q, n_kv, head_dim, dtype):
+    return (randn(batch, heads, n_q, head_dim, dtype=dtype), randn(batch, kv_heads, n_kv, head_dim, dtype=dtype),
+            randn(batch, kv_heads, n_kv, head_dim, dtype=dtype))
+
+
+def check_forward_and_backward(q, k, v, causal):
+    """Output, LSE and all three gradients against float64 autograd through the textbook reference."""
+    grad_out = randn(*q.shape, dtype=q.dtype)
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        out, lse = ops.flash_attention(*leaves, causal=causal, return_lse=True)
+        out.backward(grad_out)
+    truth_leaves = [t.requires_grad_() for t in to_float64(q, k, v)]
+    truth = reference.attention(*truth_leaves, causal=causal)
+    truth.backward(grad_out.double())
+    low_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low = reference.attention(*low_leaves, causal=causal)
+    low.backward(grad_out)
+    check_close("flash_attention", out, truth, low)
+    # dQ_i = scale * sum_j P_ij (dP_ij - delta_i) K_j, dP = dO V^T, delta_i = sum_j P_ij dP_ij: the terms cancel
+    # (exactly, when a query sees one key), so a kernel's roundings scale with the terms, not the result. Weighted
+    # by P, whose rows sum to 1: magnitude scale * max|dP| * max|K|. dK_j sums the same terms over queries (and the
+    # GQA group's heads) weighted by P's column sums: scale * max|dP| * max|Q| * max column sum.
+    q64, k64, v64 = (t.detach() for t in truth_leaves)
+    group = q.shape[1] // k.shape[1]
+    scale = q.shape[-1] ** -0.5
+    scores = (q64 @ k64.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    column_sums = p.unflatten(1, (k.shape[1], group)).sum(dim=(2, 3)).max().item()
+    d_p = (grad_out.double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)).abs().max().item()
+    magnitudes = {"q": scale * d_p * k64.abs().max().item(), "k": scale * d_p * q64.abs().max().item() * column_sums,
+                  "v": None}
+    for name, ours, theirs, lowp in zip("qkv", leaves, truth_leaves, low_leaves):
+        check_close(f"flash_attention d{name}", ours.grad, theirs.grad, lowp.grad, magnitudes[name])
+    # The log-sum-exp the backward relies on: exact up to float32 rounding; -inf where a query sees no key.
+    _, truth_lse = reference.flash_attention_tiled(*to_float64(q, k, v), causal=causal)
+    finite = torch.isfinite(truth_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    torch.testing.assert_close(lse[finite].double(), truth_lse[finite], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(1, 1), (17, 17), (64, 64), (130, 257), (257, 130), (1, 257)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_any_lengths(n_q, n_kv, causal, fa_dtype):
+    check_forward_and_backward(*inputs(1, 2, 1, n_q, n_kv, 32, fa_dtype), causal)
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (8, 2), (8, 1)], ids=["MHA", "GQA4", "MQA8"])
+def test_grouped_query_heads(heads, kv_heads, fa_dtype):
+    check_forward_and_backward(*inputs(2, heads, kv_heads, 33, 47, 16, fa_dtype), causal=True)
+
+
+@pytest.mark.parametrize("head_dim", [16, 32, 64, 128])
+def test_every_head_dim(head_dim, fa_dtype):
+    check_forward_and_backward(*inputs(1, 2, 2, 20, 36, head_dim, fa_dtype), causal=True)
+
+
+def test_causal_fewer_queries_than_keys_continues_a_prefix(fa_dtype):
+    """Nq < Nkv: the queries are the last Nq positions (a chunk after a cached prefix)."""
+    check_forward_and_backward(*inputs(2, 4, 2, 9, 70, 32, fa_dtype), causal=True)
+
+
+def test_causal_more_queries_than_keys_leaves_early_queries_empty(fa_dtype):
+    q, k, v = inputs(1, 2, 1, 40, 7, 32, fa_dtype)
+    check_forward_and_backward(q, k, v, causal=True)
+    out = ops.flash_attention(q, k, v, causal=True)
+    assert torch.all(out[:, :, :33] == 0), "queries that see no key must get 0"
+
+
+def test_strided_inputs(fa_dtype):
+    """(B, N, H, D) projections viewed as (B, H, N, D): no copy needed, only the last dimension must be contiguous."""
+    qkv = randn(2, 37, 3 * 4, 32, dtype=fa_dtype)
+    q, k, v = qkv.transpose(1, 2).split(4, dim=1)
+    assert not q.is_contiguous()
+    check_forward_and_backward(q, k, v, causal=False)
+
+
+def test_causal_tiles_above_the_diagonal_are_never_read(fa_dtype):
+    """NaN in every key/value the first query tile must not see: if the kernel loaded those tiles at all (even to
+    mask them), 0 * NaN would reach the tile's output."""
+    block_m = forward_config(32)["BLOCK_M"]
+    q, k, v = inputs(1, 2, 2, 2 * block_m, 2 * block_m, 32, fa_dtype)
+    k[:, :, block_m:], v[:, :, block_m:] = float("nan"), float("nan")
+    out = ops.flash_attention(q, k, v, causal=True)
+    assert torch.isfinite(out[:, :, :block_m]).all(), "the first query tile read key tiles above the diagonal"
+    truth = reference.attention(*to_float64(q[:, :, :block_m], k[:, :, :block_m], v[:, :, :block_m]), causal=True)
+    check_close("flash_attention (first tile)", out[:, :, :block_m], truth,
+                reference.attention(q[:, :, :block_m], k[:, :, :block_m], v[:, :, :block_m], causal=True))
+
+
+def test_tiled_reference_equals_textbook_attention():
+    for causal in (False, True):
+        q, k, v = to_float64(*inputs(2, 4, 2, 45, 70, 16, torch.float32))
+        out, _ = reference.flash_attention_tiled(q, k, v, causal=causal, block_m=16, block_n=32)
+        torch.testing.assert_close(out, reference.attention(q, k, v, causal=causal), rtol=1e-12, atol=1e-12)
+
+
+def test_additive_mask_in_the_textbook_reference():
+    q, k, v = to_float64(*inputs(1, 2, 2, 5, 9, 16, torch.float32))
+    causal = torch.zeros(5, 9, dtype=torch.float64).masked_fill(~reference.causal_mask(5, 9), float("-inf"))
+    torch.testing.assert_close(reference.attention(q, k, v, mask=causal), reference.attention(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("case, error, match", [
+    ("head_dim 48", ValueError, "head_dim must be one of"),
+    ("heads 6 over 4", ValueError, "not a multiple"),
+    ("batch mismatch", ValueError, "batch sizes differ"),
+    ("head_dim mismatch", ValueError, "head_dim differs"),
+    ("k, v shapes differ", ValueError, "same shape"),
+    ("dtype mismatch", TypeError, "mixed dtypes"),
+    ("rank 3", ValueError, r"must be \(B, H, N, D\)"),
+    ("unsupported dtype", TypeError, "not supported|supported here"),
+    ("mixed devices", ValueError, "different devices"),
+])
+def test_bad_input_is_refused_before_launch(case, error, match):
+    dtype = FA_DTYPES[0]
+    q, k, v = inputs(2, 4, 2, 8, 8, 32, dtype)
+    if case == "head_dim 48":
+        q, k, v = inputs(2, 4, 2, 8, 8, 48, dtype)
+    elif case == "heads 6 over 4":
+        q, k, v = inputs(2, 6, 4, 8, 8, 32, dtype)
+    elif case == "batch mismatch":
+        k, v = k[:1], v[:1]
+    elif case == "head_dim mismatch":
+        k, v = inputs(2, 4, 2, 8, 8, 64, dtype)[1:]
+    elif case == "k, v shapes differ":
+        v = v[:, :, :5]
+    elif case == "dtype mismatch":
+        k = k.to(FA_DTYPES[1])
+    elif case == "rank 3":
+        q = q[0]
+    elif case == "unsupported dtype":
+        wrong = torch.float32 if runtime.on_gpu() else torch.float64
+        q, k, v = (t.to(wrong) for t in (q, k, v))
+    elif case == "mixed devices":
+        k = torch.empty(k.shape, dtype=k.dtype, device="meta")
+    with pytest.raises(error, match=match):
+        ops.flash_attention(q, k, v)
