@@ -42,3 +42,11 @@ def test_bench_paged_attention_smoke_writes_a_results_file(tmp_path):
     for impl in ("lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA"):
         assert recorded.select(op="paged_attention", impl=impl)
     assert recorded.select(op="store_kv", impl="lessonlib")
+
+
+def test_bench_flash_attention_smoke_writes_a_results_file(tmp_path):
+    recorded = run_smoke("bench_flash_attention.py", tmp_path)
+    for op in ("forward", "backward", "decode"):
+        assert recorded.select(op=op, impl="lessonlib"), op
+    assert recorded.select(op="forward", impl="naive") and recorded.select(op="forward", impl="SDPA")
+    assert all(r["tflops"] > 0 for r in recorded.select(op="forward", impl="lessonlib"))

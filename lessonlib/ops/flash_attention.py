@@ -271,12 +271,12 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         raise ValueError(f"flash_attention: sequence lengths must be >= 1, got Nq={n_q}, Nkv={k.shape[2]}")
 
 
-def _forward(q, k, v, causal, sm_scale):
+def _forward(q, k, v, causal, sm_scale, config=None):
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_kv = k.shape[1], k.shape[2]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(batch, heads, n_q, dtype=torch.float32, device=q.device)
-    config = forward_config(head_dim)
+    config = config or forward_config(head_dim)
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
     launch(_flash_attention_forward_kernel, grid, q, k, v, out, lse,
            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -306,8 +306,8 @@ def _backward(q, k, v, out, lse, grad_out, causal, sm_scale):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale):
-        out, lse = _forward(q, k, v, causal, sm_scale)
+    def forward(ctx, q, k, v, causal, sm_scale, config):
+        out, lse = _forward(q, k, v, causal, sm_scale, config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.mark_non_differentiable(lse)
         ctx.causal, ctx.sm_scale = causal, sm_scale
@@ -317,20 +317,23 @@ class _FlashAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                    sm_scale: float | None = None, return_lse: bool = False):
+                    sm_scale: float | None = None, return_lse: bool = False, config: dict | None = None):
     """Attention without the score matrix, like ``lessonlib.reference.attention`` (no additive mask), with autograd.
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D), H a multiple of Hkv (MHA, GQA, MQA); any Nq, Nkv >= 1; D in
     {16, 32, 64, 128}; last dimension contiguous, other strides free. ``causal=True`` aligns the mask to the end
     (query i sees keys j <= i + Nkv - Nq); a query that sees no key gets 0. Gradients flow to q, k and v through
     the Triton backward. ``return_lse=True`` also returns the log-sum-exp per query, (B, H, Nq) float32, as a
-    constant (no gradient flows through it).
+    constant (no gradient flows through it). ``config`` overrides the forward kernel's tiles and warps
+    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; see :func:`forward_config`): a knob for benchmarks.
     """
     check_inputs(q, k, v)
     scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    out, lse = _FlashAttention.apply(q, k, v, bool(causal), float(scale))
+    if config is not None and not {"BLOCK_M", "BLOCK_N"} <= set(config):
+        raise ValueError(f"flash_attention: config needs BLOCK_M and BLOCK_N, got {sorted(config)}")
+    out, lse = _FlashAttention.apply(q, k, v, bool(causal), float(scale), config)
     return (out, lse) if return_lse else out

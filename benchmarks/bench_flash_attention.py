@@ -1,0 +1,178 @@
+"""Lesson 02's benchmark: FlashAttention forward and backward against PyTorch's SDPA backends and naive attention.
+
+    python benchmarks/bench_flash_attention.py --out lessonlib/results/flash-attention-h200.json
+
+bf16. TFLOP/s counts 4·B·H·N²·D for the forward (halved when causal) and 2.5 times that for the backward. Peers
+measured in the same run: SDPA forced onto each backend (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION),
+and naive attention (``lessonlib.reference.attention``: the full score matrix, until it runs out of memory). Also:
+a bounded sweep of the forward kernel's tile configurations at the two target shapes (every one recorded), decode
+(one query over a long KV sequence) as GB/s of K and V read, and the real error SDPA raises when a backend is forced
+onto inputs it cannot take. Every lessonlib case is checked against the float64 reference first.
+``--smoke`` runs tiny sizes in any mode (it tests this script).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from lessonlib import ops, reference, runtime  # noqa: E402
+from lessonlib.measure import gbps, time_copy, time_fn  # noqa: E402
+from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.testing import check_close, to_float64  # noqa: E402
+
+SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+def forward_flops(batch, heads, n_q, n_kv, head_dim, causal):
+    flops = 4 * batch * heads * n_q * n_kv * head_dim
+    return flops / 2 if causal else flops
+
+
+def sdpa_with(backend: str | None):
+    """SDPA forced onto one backend (None: PyTorch's own choice)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def run(q, k, v, causal):
+        if backend is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        with sdpa_kernel([getattr(SDPBackend, backend)]):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def lessonlib_attention(q, k, v, causal, **kwargs):
+    return ops.flash_attention(q, k, v, causal=causal, **kwargs)
+
+
+def naive_attention(q, k, v, causal):
+    return reference.attention(q, k, v, causal=causal)
+
+
+def backward_of(fn, q, k, v, causal):
+    """A closure timing only the backward: the forward runs once, its graph is kept for every repetition."""
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = fn(q, k, v, causal)
+    grad = torch.randn_like(out)
+    return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
+    args = parser.parse_args()
+    if not args.smoke and not runtime.on_gpu():
+        sys.exit("bench_flash_attention.py needs a GPU (use --smoke to test the script on CPU)")
+    device = runtime.device()
+    dtype = torch.bfloat16 if runtime.on_gpu() else torch.float16
+    records, notes = [], {}
+
+    def record(op, impl, shape, us, **extra):
+        rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+               "us": None if us is None else round(us, 3), **extra}
+        records.append(rec)
+        shown = "   " + ", ".join(f"{k}={v}" for k, v in extra.items())
+        print(f"{op:14s} {impl:34s} {str(shape):70s} {'-' if us is None else f'{us:10.1f} us'}{shown}", flush=True)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
+
+    peers = {"lessonlib": lessonlib_attention, "naive": naive_attention}
+    if runtime.on_gpu():
+        peers.update({f"SDPA {b.split('_')[0].lower()}": sdpa_with(b) for b in SDPA_BACKENDS})
+    else:
+        peers["SDPA"] = sdpa_with(None)
+
+    def measure(op, impl, fn, shape, flops):
+        try:
+            us = time_fn(fn).median_us
+        except (torch.OutOfMemoryError, RuntimeError) as error:  # naive at long N; a backend refusing a shape
+            if isinstance(error, RuntimeError) and "out of memory" not in str(error).lower() and impl == "lessonlib":
+                raise
+            record(op, impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+            torch.cuda.empty_cache() if runtime.on_gpu() else None
+            return
+        record(op, impl, shape, us, tflops=float(f"{flops / (us * 1e-6) / 1e12:.4g}"))
+
+    # The target shapes, then a sweep of N for the notebook's plot (B·N kept at 16k tokens).
+    targets = [(2, 32, 4096, 128, False), (2, 32, 4096, 128, True), (4, 16, 2048, 64, True)]
+    sweep = [(max(1, 16384 // n), 32, n, 128, causal) for n in (512, 1024, 2048, 4096, 8192, 16384) for causal in (False, True)]
+    cases = [(1, 2, 40, 32, False), (1, 2, 40, 32, True), (2, 2, 64, 16, True)] if args.smoke else targets + sweep
+    for batch, heads, n, head_dim, causal in dict.fromkeys(cases):
+        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+        one = (q[:1, :2], k[:1, :2], v[:1, :2])  # correctness on a slice: float64 scores of every head cost 10s of GB
+        check_close("flash_attention", ops.flash_attention(*one, causal=causal),
+                    reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal))
+        shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
+        flops = forward_flops(batch, heads, n, n, head_dim, causal)
+        for impl, fn in peers.items():
+            measure("forward", impl, lambda fn=fn: fn(q, k, v, causal), shape, flops)
+        for impl, fn in peers.items():
+            if impl == "naive" and n > 4096:
+                continue  # its backward keeps the score matrix and its gradient: beyond this it only measures OOM
+            try:
+                closure = backward_of(fn, q, k, v, causal)
+            except (torch.OutOfMemoryError, RuntimeError) as error:
+                record("backward", impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            measure("backward", impl, closure, shape, 2.5 * flops)
+            del closure
+        del q, k, v
+
+    # A bounded sweep of the forward kernel's tiles at the target shapes: every configuration recorded.
+    configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)] if args.smoke else [
+        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+        for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4),
+                              (128, 32, 4, 4), (64, 128, 4, 3), (128, 128, 4, 2))]
+    for batch, heads, n, head_dim, causal in (cases[:2] if args.smoke else targets):
+        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+        shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
+        for config in configs:
+            label = "lessonlib " + " ".join(f"{k}={v}" for k, v in config.items())
+            measure("forward", label, lambda c=config: ops.flash_attention(q, k, v, causal=causal, config=c), shape,
+                    forward_flops(batch, heads, n, n, head_dim, causal))
+
+    # Decode: one query per sequence over its whole KV: the bytes of K and V are the time.
+    decode_cases = [(2, 4, 64, 32)] if args.smoke else [(32, 32, n, 128) for n in (1024, 4096, 16384)]
+    for batch, heads, n, head_dim in decode_cases:
+        q, k, v = randn(batch, heads, 1, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+        nbytes = 2 * k.numel() * k.element_size()
+        shape = {"B": batch, "H": heads, "Nq": 1, "Nkv": n, "D": head_dim}
+        for impl, fn in peers.items():
+            try:
+                us = time_fn(lambda fn=fn: fn(q, k, v, False)).median_us
+            except RuntimeError as error:
+                record("decode", impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                continue
+            record("decode", impl, shape, us, gbps=float(f"{nbytes / (us * 1e-6) / 1e9:.4g}"))
+
+    # What SDPA says when a backend is forced onto inputs it cannot take (FlashAttention has no float32 kernel).
+    if runtime.on_gpu():
+        q = torch.randn(1, 2, 64, 64, device=device)
+        try:
+            sdpa_with("FLASH_ATTENTION")(q, q, q, False)
+            notes["forced_backend_error"] = "no error"
+        except RuntimeError as error:
+            notes["forced_backend_error"] = f"{type(error).__name__}: {error}"[:1500]
+        notes["forced_backend_case"] = "FLASH_ATTENTION forced on float32 inputs (1, 2, 64, 64)"
+
+    ceiling_bytes = 1 << (20 if args.smoke else 32)
+    ceilings = {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None}
+    if runtime.on_gpu():
+        from lessonlib.measure import measure_ceilings
+
+        ceilings = {"bandwidth_gbs": ceilings["bandwidth_gbs"], "matmul_tflops": round(measure_ceilings().matmul_tflops, 1)}
+    results = Results("flash_attention", " ".join(["python", *sys.argv]), environment(), ceilings, records, notes)
+    print("wrote", results.save(args.out))
+
+
+if __name__ == "__main__":
+    main()
