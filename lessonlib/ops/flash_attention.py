@@ -96,8 +96,8 @@ def _flash_attention_forward_kernel(
     # Key tiles [0, full_hi) are visible to every row of this query tile and in bounds: no mask.
     # Tiles [full_hi, hi) need one; tiles from hi on are above the diagonal (causal) or past the end: skipped.
     causal_offset = n_kv - n_q
-    if CAUSAL:
-        hi = tl.minimum(n_kv, start_m + BLOCK_M + causal_offset)
+    if CAUSAL:  # the tile's last real query row sees keys up to (last row + offset): see key_tile_bounds()
+        hi = tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + causal_offset)
         full_hi = tl.minimum((start_m + causal_offset + 1) // BLOCK_N * BLOCK_N, n_kv // BLOCK_N * BLOCK_N)
     else:
         hi = n_kv
@@ -207,7 +207,7 @@ def _flash_attention_dq_kernel(
     causal_offset = n_kv - n_q
     hi = n_kv
     if CAUSAL:
-        hi = tl.maximum(tl.minimum(n_kv, start_m + BLOCK_M + causal_offset), 0)
+        hi = tl.maximum(tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + causal_offset), 0)
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(0, hi, BLOCK_N):
         n_ok = offs_n < n_kv
@@ -225,6 +225,30 @@ def _flash_attention_dq_kernel(
     dq *= sm_scale
     out_offsets = (batch * heads + head).to(tl.int64) * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(dq_ptr + out_offsets, dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
+
+
+def key_tile_bounds(start_m: int, block_m: int, n_q: int, n_kv: int, causal: bool, block_n: int) -> tuple[int, int]:
+    """The forward kernel's loop bounds for the query tile starting at ``start_m``, in plain Python: key tiles
+    [0, full_hi) need no mask, [full_hi, hi) need one, and from hi on they are skipped (above the diagonal, or past
+    the end). The kernel computes exactly these; notebook 02 draws them."""
+    offset = n_kv - n_q
+    if causal:
+        hi = min(n_kv, min(start_m + block_m, n_q) + offset)
+        full_hi = min((start_m + offset + 1) // block_n * block_n, n_kv // block_n * block_n)
+    else:
+        hi, full_hi = n_kv, n_kv // block_n * block_n
+    hi = max(hi, 0)
+    return max(min(full_hi, hi), 0), hi
+
+
+def tile_plan(n_q: int, n_kv: int, block_m: int, block_n: int, causal: bool) -> torch.Tensor:
+    """(query tiles, key tiles) int tensor: 0 skipped, 1 computed without a mask, 2 computed with a mask."""
+    plan = torch.zeros(triton.cdiv(n_q, block_m), triton.cdiv(n_kv, block_n), dtype=torch.int64)
+    for i, start_m in enumerate(range(0, n_q, block_m)):
+        full_hi, hi = key_tile_bounds(start_m, block_m, n_q, n_kv, causal, block_n)
+        plan[i, : triton.cdiv(full_hi, block_n)] = 1
+        plan[i, full_hi // block_n: triton.cdiv(hi, block_n)] = 2
+    return plan
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:

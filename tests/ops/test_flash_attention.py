@@ -154,3 +154,22 @@ def test_bad_input_is_refused_before_launch(case, error, match):
         k = torch.empty(k.shape, dtype=k.dtype, device="meta")
     with pytest.raises(error, match=match):
         ops.flash_attention(q, k, v)
+
+
+@pytest.mark.parametrize("n_q, n_kv", [(64, 64), (40, 70), (40, 7), (33, 47), (1, 100), (130, 130)])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_tile_plan_skips_exactly_the_invisible_tiles(n_q, n_kv, causal):
+    """Skipped tiles hold no visible (query, key) pair; unmasked tiles hold only visible pairs and a whole key tile
+    (rows past Nq are padding, never stored); a tile holding any visible pair is computed."""
+    from lessonlib.ops.flash_attention import tile_plan
+
+    block_m, block_n = 16, 32
+    plan = tile_plan(n_q, n_kv, block_m, block_n, causal)
+    visible = reference.causal_mask(n_q, n_kv) if causal else torch.ones(n_q, n_kv, dtype=torch.bool)
+    for i in range(plan.shape[0]):
+        for j in range(plan.shape[1]):
+            tile = visible[i * block_m:(i + 1) * block_m, j * block_n:(j + 1) * block_n]
+            full = tile.all() and tile.shape[1] == block_n
+            assert (plan[i, j] == 0) == (not tile.any()), (i, j, plan)
+            if plan[i, j] == 1:
+                assert full, (i, j, plan)
