@@ -136,3 +136,89 @@ def check_blocks_needed(fn) -> None:
                 f"{trace.peak_blocks} blocks for a {prompt_tokens}-token prompt generating {max_tokens} tokens. "
                 "Which tokens' K and V does the engine ever write? (Think about the very last token it samples.)")
     print(f"blocks_needed: correct on {len(cases)} requests, each checked against vLLM's own block manager")
+
+
+def check_online_softmax_update(fn) -> None:
+    """``fn(m, l, acc, scores, values) -> (m, l, acc)``: fold one tile of keys into the online-softmax state of a
+    block of query rows. m, l: (R,) running max and sum; acc: (R, D) unnormalised output; scores: (R, C) this tile's
+    scores; values: (C, D). Starting from m = -inf, l = 0, acc = 0 and folding every tile must give softmax · V."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for rows, keys, head_dim, block in ((1, 5, 4, 5), (3, 37, 8, 8), (4, 64, 16, 16), (2, 50, 8, 7)):
+        scores = torch.randn(rows, keys, generator=generator, dtype=torch.float64) * 4
+        scores[0, keys // 2] = 30.0  # a large score in a late tile: the old sum must be rescaled, not overflow
+        values = torch.randn(keys, head_dim, generator=generator, dtype=torch.float64)
+        m = torch.full((rows,), float("-inf"), dtype=torch.float64)
+        l = torch.zeros(rows, dtype=torch.float64)
+        acc = torch.zeros(rows, head_dim, dtype=torch.float64)
+        for start in range(0, keys, block):
+            try:
+                m, l, acc = fn(m, l, acc, scores[:, start:start + block], values[start:start + block])
+            except NotImplementedError as e:
+                raise ExerciseFailed(f"online_softmax_update: not implemented yet ({e or 'NotImplementedError'}). "
+                                     "Fill in the stub.") from None
+            seen = min(start + block, keys)
+            want_m = scores[:, :seen].max(dim=1).values
+            if not torch.allclose(m, want_m):
+                raise ExerciseFailed(f"online_softmax_update: after {seen} keys the running max is {m.tolist()}, "
+                                     f"expected {want_m.tolist()}")
+            want_l = torch.exp(scores[:, :seen] - want_m[:, None]).sum(dim=1)
+            if not torch.allclose(l, want_l, rtol=1e-12):
+                raise ExerciseFailed(f"online_softmax_update: after {seen} keys l = {l.tolist()}, expected "
+                                     f"{want_l.tolist()} (sum of exp(score - running max)). Did you rescale the old "
+                                     "sum by exp(old max - new max)?")
+        exact = torch.softmax(scores, dim=1) @ values
+        if not torch.allclose(acc / l[:, None], exact, rtol=1e-10, atol=1e-12):
+            raise ExerciseFailed("online_softmax_update: acc / l differs from softmax(scores) @ values: rescale acc "
+                                 "by the same factor as l before adding this tile's exp(scores - m) @ values")
+    print("online_softmax_update: correct on 4 problems (float64, exact to rounding), including a late large score")
+
+
+def check_key_tile_bound(fn) -> None:
+    """``fn(start_m, block_m, n_q, n_kv) -> int``: with the end-aligned causal mask (query i sees keys
+    j <= i + n_kv - n_q), the end (exclusive) of the keys that the query tile [start_m, start_m + block_m) must
+    visit; keys from there on are above the diagonal for every real query in the tile. 0 if none is visible."""
+    from lessonlib.reference import causal_mask
+
+    cases = [(0, 16, 64, 64), (48, 16, 64, 64), (0, 16, 9, 70), (32, 16, 40, 7), (0, 16, 40, 7), (32, 16, 33, 33),
+             (16, 32, 40, 100)]
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for _ in range(30):
+        block_m = int(2 ** torch.randint(2, 7, (), generator=generator))
+        n_q, n_kv = (int(torch.randint(1, 300, (), generator=generator)) for _ in range(2))
+        start_m = int(torch.randint(0, -(-n_q // block_m), (), generator=generator)) * block_m
+        cases.append((start_m, block_m, n_q, n_kv))
+    for start_m, block_m, n_q, n_kv in cases:
+        visible = causal_mask(n_q, n_kv)[start_m:start_m + block_m]
+        want = int(visible.any(dim=0).nonzero().max()) + 1 if visible.any() else 0
+        try:
+            got = fn(start_m, block_m, n_q, n_kv)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"key_tile_bound: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+        if got != want:
+            raise ExerciseFailed(
+                f"key_tile_bound(start_m={start_m}, block_m={block_m}, n_q={n_q}, n_kv={n_kv}) = {got}, expected "
+                f"{want}. The tile's last real query is min(start_m + block_m, n_q) - 1; it sees keys up to that "
+                "+ (n_kv - n_q); clamp to [0, n_kv].")
+    print(f"key_tile_bound: correct on {len(cases)} tiles (including Nq > Nkv and partial last tiles)")
+
+
+def check_flash_attention(fn) -> None:
+    """``fn(q, k, v, causal=...)``: attention as ``lessonlib.reference.attention``, forward and backward, on odd
+    lengths, GQA and both masks, outputs poisoned first; within the tolerance rule of lessonlib.testing."""
+    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.testing import check_attention
+
+    for dtype in supported_dtypes():
+        for (batch, heads, kv_heads, n_q, n_kv, head_dim, causal) in ((1, 2, 2, 17, 17, 32, True),
+                                                                     (2, 4, 1, 9, 40, 16, True),
+                                                                     (1, 4, 2, 33, 20, 64, False)):
+            q, k, v = _inputs((batch, heads, n_q, head_dim), (batch, kv_heads, n_kv, head_dim),
+                              (batch, kv_heads, n_kv, head_dim), dtype=dtype)
+            try:
+                check_attention(fn, q, k, v, causal)
+            except NotImplementedError as e:
+                raise ExerciseFailed(f"flash_attention: not implemented yet ({e or 'NotImplementedError'})") from None
+            except AssertionError as e:
+                raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
+    print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
+          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}")

@@ -253,3 +253,99 @@ def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, 
             ax.spines[side].set_visible(False)
     fig.tight_layout()
     return fig
+
+
+def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, memory_bytes: float = 141e9,
+                ax=None):
+    """Naive attention's score matrix (T² per head) against FlashAttention's inputs and output (linear in T), one
+    layer, log-log, with the GPU's memory as a line."""
+    from lessonlib.traffic import attention_io_bytes, score_matrix_bytes
+
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    t = np.unique(np.logspace(8, 17.5, 60, base=2).astype(int))
+    ax.loglog(t, [score_matrix_bytes(int(n), heads, itemsize) for n in t], color=IMPL_COLORS["eager"],
+              label=f"score matrix, {heads} heads (naive attention): T²")
+    ax.loglog(t, [attention_io_bytes(int(n), heads, head_dim, itemsize) for n in t], color=IMPL_COLORS["lessonlib"],
+              label="Q, K, V and O (all FlashAttention moves): T")
+    ax.axhline(memory_bytes, color="black", ls="--", lw=1)
+    ax.text(t[0], memory_bytes * 1.3, f"H200 memory, {memory_bytes / 1e9:.0f} GB", fontsize=8)
+    scores = score_matrix_bytes(tokens, heads, itemsize)
+    ax.plot([tokens], [scores], "o", color=IMPL_COLORS["eager"], ms=8)
+    ax.annotate(f"T={tokens:,}: {scores / 1e9:,.2f} GB", (tokens, scores), textcoords="offset points", xytext=(-10, 10),
+                ha="right", fontsize=9)
+    ax.set_xlabel("sequence length T (tokens)")
+    ax.set_ylabel("bytes, one layer, batch 1")
+    ax.set_title("The score matrix grows with T², the attention's inputs and output with T")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(True, which="both", alpha=0.2)
+    _plain_log_ticks(ax)
+    fig.tight_layout()
+    return fig
+
+
+def online_softmax(trace: list[dict], step: int, exact: np.ndarray, ax=None):
+    """One query row's online softmax after ``step`` tiles: running max and sum, and the output's first components
+    converging to the exact attention output."""
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if ax is None else (ax[0].figure, ax)
+    seen = [s["keys_seen"] for s in trace]
+    shown = trace[: step + 1]
+    axes[0].plot(seen[: step + 1], [s["m"] for s in shown], "o-", label="running max m")
+    axes[0].plot(seen[: step + 1], [np.log(s["l"]) + s["m"] for s in shown], "s-", label="log-sum-exp m + log l")
+    axes[0].set_xlim(0, seen[-1] * 1.05)
+    axes[0].set_xlabel("keys seen")
+    axes[0].set_title("running statistics")
+    axes[0].legend(fontsize=8)
+    components = min(4, exact.shape[0])
+    for c in range(components):
+        axes[1].plot(seen[: step + 1], [s["out"][c].item() for s in shown], "o-", color=f"C{c}", label=f"out[{c}]")
+        axes[1].axhline(exact[c], color=f"C{c}", ls=":", lw=1)
+    axes[1].set_xlim(0, seen[-1] * 1.05)
+    axes[1].set_xlabel("keys seen")
+    axes[1].set_title("output so far (dotted: exact attention)")
+    axes[1].legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
+def tile_plan(plan, block_m: int, block_n: int, title: str, ax=None):
+    """The forward kernel's work per (query tile, key tile): skipped, computed, or computed with a mask."""
+    from matplotlib.colors import ListedColormap
+
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(4.6, 4.2))
+    colours = ListedColormap(["#f0f0f0", "#74c476", "#fd8d3c"])
+    ax.imshow(np.asarray(plan), cmap=colours, vmin=0, vmax=2)
+    counts = [int((np.asarray(plan) == v).sum()) for v in (0, 1, 2)]
+    ax.set_xlabel(f"key tile ({block_n} keys each)")
+    ax.set_ylabel(f"query tile ({block_m} queries each)")
+    ax.set_title(f"{title}\nskipped {counts[0]}, no mask {counts[1]}, masked {counts[2]}", fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(i)) for i in range(3)]
+    ax.legend(handles, ["skipped", "computed", "computed + mask"], fontsize=7, loc="upper right",
+              bbox_to_anchor=(1.0, -0.15), ncol=3)
+    fig.tight_layout()
+    return fig
+
+
+def attention_speed(results: Results, causal: bool, ax=None):
+    """Forward TFLOP/s against sequence length per implementation, from a recorded benchmark run; naive attention's
+    out-of-memory points marked."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    impls = sorted({r["impl"] for r in results.select(op="forward") if r["shape"]["D"] == 128 and "BLOCK" not in r["impl"]})
+    for i, impl in enumerate(impls):
+        recs = sorted((r for r in results.select(op="forward", impl=impl) if r["shape"]["D"] == 128
+                       and r["shape"]["causal"] == causal and r["shape"]["H"] == 32 and r["shape"]["B"] * r["shape"]["N"] == 16384),
+                      key=lambda r: r["shape"]["N"])
+        ok = [r for r in recs if r["us"] is not None]
+        color = IMPL_COLORS.get(impl, f"C{i + 3}")
+        ax.plot([r["shape"]["N"] for r in ok], [r["tflops"] for r in ok], "o-", label=impl, color=color)
+        for r in recs:
+            if r["us"] is None:
+                ax.plot([r["shape"]["N"]], [0], "x", color=color, ms=10)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length N (batch x N = 16k tokens, 32 heads, D=128)")
+    ax.set_ylabel("TFLOP/s (forward)")
+    ax.set_title(f"Attention forward, {'causal' if causal else 'full'} (x at 0: out of memory or refused)")
+    ax.legend(fontsize=8)
+    ax.grid(True, alpha=0.2)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig

@@ -6,6 +6,8 @@ fused twin in ``lessonlib.ops``, and the tests compare the two.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -185,3 +187,26 @@ def flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
         out[:, :, m0:m1] = torch.where(seen[..., None], acc / l.clamp_min(1e-30)[..., None], 0.0)
         lse[:, :, m0:m1] = torch.where(seen, m + torch.log(l.clamp_min(1e-30)), float("-inf"))
     return out.to(q.dtype), lse
+
+
+def online_softmax_trace(scores: torch.Tensor, values: torch.Tensor, block: int) -> list[dict]:
+    """The online softmax on one query row, tile by tile, for the notebook to step through.
+
+    scores: (N,) one query's scores; values: (N, D). After each tile of ``block`` keys: the running max ``m``, the
+    running sum ``l`` of exp(score - m), and the output so far ``acc / l``, which equals softmax over the keys seen
+    so far times their values. The last step's output is the exact attention output.
+    """
+    m, l = float("-inf"), 0.0
+    acc = torch.zeros(values.shape[1], dtype=torch.float64)
+    steps = []
+    for start in range(0, scores.shape[0], block):
+        s, v = scores[start:start + block].double(), values[start:start + block].double()
+        m_new = max(m, s.max().item())
+        correction = math.exp(m - m_new) if m != float("-inf") else 0.0
+        p = torch.exp(s - m_new)
+        l = l * correction + p.sum().item()
+        acc = acc * correction + p @ v
+        m = m_new
+        steps.append({"keys_seen": min(start + block, scores.shape[0]), "m": m, "l": l, "correction": correction,
+                      "out": acc / l})
+    return steps

@@ -84,3 +84,47 @@ def poisoned_outputs():
     with mock.patch.object(torch, "empty", _nan_filled(torch.empty)), \
             mock.patch.object(torch, "empty_like", _nan_filled(torch.empty_like)):
         yield
+
+
+def check_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, name: str = "flash_attention"):
+    """Check an attention function's output and its gradients for q, k and v against float64 autograd through
+    ``lessonlib.reference.attention``, each within the tolerance rule above. ``fn(q, k, v, causal=...)`` may return
+    ``out`` or ``(out, lse)``. Outputs and gradients start as NaN (poisoned). Returns the output.
+
+    Gradients through softmax cancel: dQ_i = scale * sum_j P_ij (dP_ij - delta_i) K_j with dP = dO V^T and
+    delta_i = sum_j P_ij dP_ij is exactly 0 when a query sees a single key. A kernel's roundings scale with those
+    terms, not with the (possibly zero) result, so the rounding allowance is counted at the terms' size: for dQ,
+    scale * max|dP| * max|K| (the P_ij of a row sum to 1); for dK, which sums the same terms over queries and the
+    GQA group's heads, scale * max|dP| * max|Q| * the largest column sum of P. dV = P^T dO does not cancel.
+    """
+    from lessonlib import reference
+
+    grad_out = torch.randn(q.shape, dtype=torch.float32, device=q.device).to(q.dtype)
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    with poisoned_outputs():
+        out = fn(*leaves, causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        out.backward(grad_out)
+    truth_leaves = [t.requires_grad_() for t in to_float64(q, k, v)]
+    truth = reference.attention(*truth_leaves, causal=causal)
+    truth.backward(grad_out.double())
+    low_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    low = reference.attention(*low_leaves, causal=causal)
+    low.backward(grad_out)
+    check_close(name, out, truth, low)
+
+    q64, k64, v64 = (t.detach() for t in truth_leaves)
+    group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
+    scores = (q64 @ k64.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    if causal:
+        scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
+    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    column_sums = p.unflatten(1, (k.shape[1], group)).sum(dim=(2, 3)).max().item()
+    d_p = (grad_out.double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)).abs().max().item()
+    magnitudes = {"q": scale * d_p * k64.abs().max().item(), "k": scale * d_p * q64.abs().max().item() * column_sums,
+                  "v": None}
+    for which, ours, theirs, lowp in zip("qkv", leaves, truth_leaves, low_leaves):
+        if ours.grad is None:
+            raise AssertionError(f"{name}: no gradient reached {which}")
+        check_close(f"{name} d{which}", ours.grad, theirs.grad, lowp.grad, magnitudes[which])
+    return out

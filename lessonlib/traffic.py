@@ -139,3 +139,14 @@ def gated_mlp(tokens: int, hidden: int, intermediate: int, itemsize: int = 2) ->
 
 
 OPS = {"swiglu": swiglu, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "gated_mlp": gated_mlp}
+
+
+def score_matrix_bytes(tokens: int, heads: int = 32, itemsize: int = 2, batch: int = 1) -> int:
+    """Bytes of the attention score matrix naive attention writes for one layer: one (T, T) matrix per head (and
+    as many again for the probabilities after softmax, which this does not count)."""
+    return batch * heads * tokens * tokens * itemsize
+
+
+def attention_io_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, batch: int = 1) -> int:
+    """Bytes FlashAttention must move for one layer: read Q, K, V and write O, each (B, H, T, D). Linear in T."""
+    return 4 * batch * heads * tokens * head_dim * itemsize

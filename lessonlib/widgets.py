@@ -8,6 +8,8 @@ import contextlib
 import io
 
 import matplotlib.pyplot as plt
+import numpy as np
+import torch
 
 from lessonlib import plots, traffic
 from lessonlib.measure import Ceilings
@@ -122,3 +124,60 @@ def _swallow_display():
         finally:
             publisher.publish = publish
             plt.close("all")
+
+
+def show_score_memory(tokens=8192, heads=32, dtype="bfloat16") -> dict:
+    """Bytes of naive attention's score matrix at one size, against what FlashAttention moves."""
+    itemsize = DTYPE_BYTES[dtype]
+    scores = traffic.score_matrix_bytes(tokens, heads, itemsize)
+    io = traffic.attention_io_bytes(tokens, heads, 128, itemsize)
+    print(f"T={tokens:,}, {heads} heads, {dtype}: score matrix {scores / 1e9:,.3f} GB per layer; "
+          f"Q, K, V, O {io / 1e9:,.3f} GB ({scores / io:,.0f}x less)")
+    plots.score_bytes(tokens, heads, 128, itemsize)
+    plt.show()
+    return {"score_bytes": scores, "io_bytes": io}
+
+
+def score_memory_explorer():
+    """Slide the sequence length: the score matrix grows with T², FlashAttention's traffic with T."""
+    import ipywidgets as w
+
+    controls = {
+        "tokens": w.IntSlider(value=8192, min=256, max=131072, step=256, description="tokens T", continuous_update=False),
+        "heads": w.IntSlider(value=32, min=1, max=128, step=1, description="heads", continuous_update=False),
+        "dtype": w.Dropdown(options=list(DTYPE_BYTES), value="bfloat16", description="dtype"),
+    }
+    view = w.interactive(show_score_memory, **controls)
+    view.controls = controls
+    return view
+
+
+def show_online_softmax(trace, exact, step=0) -> dict:
+    """The online softmax after ``step`` + 1 tiles."""
+    step = min(step, len(trace) - 1)
+    state = trace[step]
+    error = float((state["out"] - torch.as_tensor(exact)).abs().max())
+    print(f"after tile {step + 1} of {len(trace)} ({state['keys_seen']} keys): m = {state['m']:.4f}, "
+          f"l = {state['l']:.4f}, rescale of the old sum = {state['correction']:.4f}, "
+          f"max |output - exact| = {error:.2e}")
+    plots.online_softmax(trace, step, np.asarray(exact))
+    plt.show()
+    return {"m": state["m"], "l": state["l"], "error": error}
+
+
+def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8, seed: int = 0):
+    """Step through one query's keys tile by tile: running max, running sum, and the output converging to exact."""
+    import ipywidgets as w
+
+    from lessonlib import reference
+
+    generator = torch.Generator().manual_seed(seed)
+    scores = torch.randn(seq_len, generator=generator, dtype=torch.float64) * 2
+    values = torch.randn(seq_len, head_dim, generator=generator, dtype=torch.float64)
+    exact = (torch.softmax(scores, dim=0) @ values).numpy()
+    trace = reference.online_softmax_trace(scores, values, block)
+    controls = {"step": w.IntSlider(value=0, min=0, max=len(trace) - 1, description="tile", continuous_update=False)}
+    view = w.interactive(show_online_softmax, trace=w.fixed(trace), exact=w.fixed(exact), **controls)
+    view.controls = controls
+    view.trace, view.exact = trace, exact
+    return view

@@ -3,7 +3,7 @@ import torch
 
 from lessonlib import ops, reference, runtime
 from lessonlib.ops.flash_attention import forward_config, supported_dtypes
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import check_attention, check_close, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
 FA_DTYPES = supported_dtypes()
@@ -20,39 +20,13 @@ def inputs(batch, heads, kv_heads, n_q, n_kv, head_dim, dtype):
 
 
 def check_forward_and_backward(q, k, v, causal):
-    """Output, LSE and all three gradients against float64 autograd through the textbook reference."""
-    grad_out = randn(*q.shape, dtype=q.dtype)
-    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    """Output and all three gradients against float64 autograd through the textbook reference (the rule and its
+    reasoning: lessonlib.testing.check_attention), then the log-sum-exp the backward relies on."""
+    check_attention(ops.flash_attention, q, k, v, causal)
     with poisoned_outputs():
-        out, lse = ops.flash_attention(*leaves, causal=causal, return_lse=True)
-        out.backward(grad_out)
-    truth_leaves = [t.requires_grad_() for t in to_float64(q, k, v)]
-    truth = reference.attention(*truth_leaves, causal=causal)
-    truth.backward(grad_out.double())
-    low_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-    low = reference.attention(*low_leaves, causal=causal)
-    low.backward(grad_out)
-    check_close("flash_attention", out, truth, low)
-    # dQ_i = scale * sum_j P_ij (dP_ij - delta_i) K_j, dP = dO V^T, delta_i = sum_j P_ij dP_ij: the terms cancel
-    # (exactly, when a query sees one key), so a kernel's roundings scale with the terms, not the result. Weighted
-    # by P, whose rows sum to 1: magnitude scale * max|dP| * max|K|. dK_j sums the same terms over queries (and the
-    # GQA group's heads) weighted by P's column sums: scale * max|dP| * max|Q| * max column sum.
-    q64, k64, v64 = (t.detach() for t in truth_leaves)
-    group = q.shape[1] // k.shape[1]
-    scale = q.shape[-1] ** -0.5
-    scores = (q64 @ k64.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
-    p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-    column_sums = p.unflatten(1, (k.shape[1], group)).sum(dim=(2, 3)).max().item()
-    d_p = (grad_out.double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)).abs().max().item()
-    magnitudes = {"q": scale * d_p * k64.abs().max().item(), "k": scale * d_p * q64.abs().max().item() * column_sums,
-                  "v": None}
-    for name, ours, theirs, lowp in zip("qkv", leaves, truth_leaves, low_leaves):
-        check_close(f"flash_attention d{name}", ours.grad, theirs.grad, lowp.grad, magnitudes[name])
-    # The log-sum-exp the backward relies on: exact up to float32 rounding; -inf where a query sees no key.
+        _, lse = ops.flash_attention(q, k, v, causal=causal, return_lse=True)
     _, truth_lse = reference.flash_attention_tiled(*to_float64(q, k, v), causal=causal)
-    finite = torch.isfinite(truth_lse)
+    finite = torch.isfinite(truth_lse)  # -inf where a query sees no key
     assert torch.equal(torch.isfinite(lse), finite)
     torch.testing.assert_close(lse[finite].double(), truth_lse[finite], rtol=1e-5, atol=1e-5)
 
