@@ -307,20 +307,24 @@ def online_softmax(trace: list[dict], step: int, exact: np.ndarray, ax=None):
     return fig
 
 
-def tile_plan(plan, block_m: int, block_n: int, title: str, ax=None):
+def tile_plan(plan, block_m: int, block_n: int, title: str, ax=None, legend: bool = True):
     """The forward kernel's work per (query tile, key tile): skipped, computed, or computed with a mask."""
     from matplotlib.colors import ListedColormap
 
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(4.6, 4.2))
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(5.6, 4.2))
+    plan = np.asarray(plan)
     colours = ListedColormap(["#f0f0f0", "#74c476", "#fd8d3c"])
-    ax.imshow(np.asarray(plan), cmap=colours, vmin=0, vmax=2)
-    counts = [int((np.asarray(plan) == v).sum()) for v in (0, 1, 2)]
+    ax.imshow(plan, cmap=colours, vmin=0, vmax=2)
+    counts = [int((plan == v).sum()) for v in (0, 1, 2)]
+    ax.set_xticks(range(plan.shape[1]))
+    ax.set_yticks(range(plan.shape[0]))
     ax.set_xlabel(f"key tile ({block_n} keys each)")
     ax.set_ylabel(f"query tile ({block_m} queries each)")
     ax.set_title(f"{title}\nskipped {counts[0]}, no mask {counts[1]}, masked {counts[2]}", fontsize=9)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=colours(i)) for i in range(3)]
-    ax.legend(handles, ["skipped", "computed", "computed + mask"], fontsize=7, loc="upper right",
-              bbox_to_anchor=(1.0, -0.15), ncol=3)
+    if legend:
+        handles = [plt.Rectangle((0, 0), 1, 1, color=colours(i)) for i in range(3)]
+        ax.legend(handles, ["skipped", "computed", "computed + mask"], fontsize=8, loc="upper left",
+                  bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     return fig
 

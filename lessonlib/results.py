@@ -101,6 +101,11 @@ def load(name_or_path) -> Results:
                    data.get("notes", {}))
 
 
+def find(name: str) -> Results | None:
+    """A committed results file by name, or None when that benchmark has not been recorded yet."""
+    return load(name) if (RESULTS_DIR / f"{name}.json").exists() else None
+
+
 def recorded_ceilings(name: str = "fusion-h200") -> Ceilings:
     """The ceilings measured in a recorded run: what a CPU-only notebook plots against."""
     return load(name).recorded_ceilings()

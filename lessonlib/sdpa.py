@@ -1,0 +1,35 @@
+"""PyTorch's scaled_dot_product_attention (SDPA) and its backends, for lesson 02: run it on chosen backends, and see
+what each backend says when it cannot take the inputs (the real error, with PyTorch's own reasons)."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+
+
+def attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = None, set_priority: bool = False):
+    """SDPA on q (B, H, Nq, D), k, v (B, Hkv, Nkv, D), restricted to ``backends`` (names of SDPBackend, tried in
+    that order when ``set_priority``); None lets PyTorch choose. GQA through ``enable_gqa``."""
+    gqa = q.shape[1] != k.shape[1]
+    if backends is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    with sdpa_kernel([getattr(SDPBackend, b) for b in backends], set_priority=set_priority):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+
+
+def try_backend(backend: str, q, k, v, causal: bool = False) -> tuple[bool, str]:
+    """Force one backend. Returns (True, "") when it ran, else (False, the error and the reasons PyTorch warned)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            attention(q, k, v, causal, backends=(backend,))
+            return True, ""
+        except RuntimeError as error:
+            reasons = [str(w.message).strip() for w in caught if "not used because" in str(w.message) or
+                       "requires" in str(w.message) or "support" in str(w.message)]
+            return False, "\n".join([f"RuntimeError: {error}", *(f"  warning: {r}" for r in reasons)])
