@@ -222,3 +222,74 @@ def check_flash_attention(fn) -> None:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
     print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
           f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}")
+
+
+def check_physical_slot(fn) -> None:
+    """``fn(position, block_table, block_size) -> (physical_block, offset)``: where the K/V of token ``position``
+    of a sequence lives, given its block table (a list of physical block ids, logical order)."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    cases = [(0, [17, 4, 29, 8], 16), (15, [17, 4, 29, 8], 16), (16, [17, 4, 29, 8], 16), (63, [17, 4, 29, 8], 16)]
+    for _ in range(40):
+        block_size = int(2 ** torch.randint(0, 7, (), generator=generator))
+        table = torch.randperm(200, generator=generator)[: int(torch.randint(1, 12, (), generator=generator))].tolist()
+        cases.append((int(torch.randint(0, len(table) * block_size, (), generator=generator)), table, block_size))
+    for position, table, block_size in cases:
+        want = (table[position // block_size], position % block_size)
+        try:
+            got = fn(position, list(table), block_size)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"physical_slot: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+        if tuple(got) != want:
+            raise ExerciseFailed(f"physical_slot({position}, {table}, block_size={block_size}) = {tuple(got)}, expected "
+                                 f"{want}: logical block = position // block_size, then look it up in the table")
+    print(f"physical_slot: correct on {len(cases)} positions, including the seed's table 17 4 29 8")
+
+
+def check_free_sequence(fn) -> None:
+    """``fn(table, ref_counts, free_blocks) -> None``: free one sequence whose blocks are ``table``. Each block's
+    reference count drops by one; a block whose count reaches 0 is appended to ``free_blocks`` (in table order).
+    A block whose count is already 0 must raise ValueError (a double free) and leave everything unchanged."""
+    from lessonlib.kv_cache import BlockAllocator
+
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for trial in range(20):
+        num_blocks = 16
+        allocator = BlockAllocator(num_blocks)
+        tables = {}
+        for seq in range(4):  # sequences, some sharing a prefix of blocks with the previous one
+            shared = tables[seq - 1][: int(torch.randint(0, 3, (), generator=generator))] if seq else []
+            for block in shared:
+                allocator.share(block)
+            tables[seq] = shared + [allocator.allocate() for _ in range(int(torch.randint(1, 3, (), generator=generator)))]
+        victim = int(torch.randint(0, 4, (), generator=generator))
+        counts, free_blocks = list(allocator.ref_counts), []
+        try:
+            result = fn(list(tables[victim]), counts, free_blocks)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"free_sequence: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+        want_counts = list(allocator.ref_counts)
+        want_free = []
+        for block in tables[victim]:
+            want_counts[block] -= 1
+            if want_counts[block] == 0:
+                want_free.append(block)
+        if counts != want_counts:
+            raise ExerciseFailed(f"free_sequence: reference counts {counts}, expected {want_counts} after freeing "
+                                 f"{tables[victim]} (shared blocks drop by one and stay in use)")
+        if free_blocks != want_free:
+            raise ExerciseFailed(f"free_sequence: returned {free_blocks} to the pool, expected {want_free}: only "
+                                 "blocks whose count reaches 0")
+        if result is not None:
+            raise ExerciseFailed("free_sequence: update ref_counts and free_blocks in place and return None")
+        # Freeing the same sequence again: its unshared blocks are at 0 now: a double free.
+        before = (list(counts), list(free_blocks))
+        if want_free:
+            try:
+                fn(list(tables[victim]), counts, free_blocks)
+            except ValueError:
+                if (counts, free_blocks) != before:
+                    raise ExerciseFailed("free_sequence: the double free raised, but only after changing the counts; "
+                                         "check every block first, then change anything") from None
+            else:
+                raise ExerciseFailed(f"free_sequence: freeing {tables[victim]} twice did not raise ValueError")
+    print("free_sequence: correct on 20 pools with shared prefixes, double frees refused with nothing changed")

@@ -353,3 +353,53 @@ def attention_speed(results: Results, causal: bool, ax=None):
     _footnote(fig, results.provenance())
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
+
+
+def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, block_size: int):
+    """Left: how long the requests are. Right: KV memory used vs held by paged blocks vs reserved as slabs."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.2, 1]})
+    left.hist(np.asarray(lengths), bins=40, color="#9ecae1")
+    left.axvline(max_len, color=IMPL_COLORS["eager"], ls="--")
+    left.text(max_len, left.get_ylim()[1] * 0.9, f" max_len {max_len:,}", color=IMPL_COLORS["eager"], fontsize=8,
+              ha="right" if max_len > np.asarray(lengths).max() * 0.7 else "left")
+    left.set_xlabel("tokens per request (prompt + output)")
+    left.set_ylabel("requests")
+    left.set_title(f"{len(lengths)} requests, median {int(np.median(np.asarray(lengths))):,} tokens", fontsize=10)
+    gb = [t * bytes_per_token / 1e9 for t in (reservation.used_tokens, reservation.paged_tokens,
+                                              reservation.contiguous_tokens)]
+    labels = ["used\n(every token's K, V)", f"paged\n(blocks of {block_size})", f"contiguous\n(slab of {max_len:,})"]
+    bars = right.bar(labels, gb, color=["#74c476", IMPL_COLORS["lessonlib"], IMPL_COLORS["eager"]])
+    for bar, value, waste in zip(bars, gb, (0.0, reservation.paged_waste, reservation.contiguous_waste)):
+        right.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.1f} GB\n{waste:.0%} unused", ha="center",
+                   va="bottom", fontsize=8)
+    right.set_ylabel("KV cache memory, GB")
+    right.set_ylim(0, max(gb) * 1.25)
+    right.set_title("memory held for the same requests", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def paged_attention_speed(results: Results, ax=None):
+    """Decode attention GB/s per shape: lessonlib's paged kernel against SDPA on a contiguous cache and gather+SDPA."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8.5, 4.0))
+    impls = ["lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA"]
+    colours = [IMPL_COLORS["lessonlib"], IMPL_COLORS["torch.compile"], "#9ecae1"]
+    shapes = []
+    for rec in results.select(op="paged_attention", impl="lessonlib"):
+        key = (rec["shape"]["B"], rec["shape"]["context"])
+        if key not in shapes:
+            shapes.append(key)
+    width = 0.8 / len(impls)
+    for i, (impl, colour) in enumerate(zip(impls, colours)):
+        values = [results.one(op="paged_attention", impl=impl, B=b, context=c)["gbps"] for b, c in shapes]
+        ax.bar(np.arange(len(shapes)) + (i - 1) * width, values, width, label=impl, color=colour)
+    ax.axhline(results.ceilings["bandwidth_gbs"], color="black", ls="--", lw=1)
+    ax.text(len(shapes) - 0.5, results.ceilings["bandwidth_gbs"], "copy ceiling", ha="right", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(shapes)), [f"B={b}\ncontext {c:,}" for b, c in shapes])
+    ax.set_ylabel("GB/s of K and V read")
+    ax.set_ylim(0, results.ceilings["bandwidth_gbs"] * 1.3)
+    ax.set_title("Decode attention: paged (lessonlib) vs contiguous (SDPA)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper left", ncol=3)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig

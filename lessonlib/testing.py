@@ -13,6 +13,7 @@ never passes.
 from __future__ import annotations
 
 import contextlib
+import math
 from unittest import mock
 
 import torch
@@ -91,11 +92,18 @@ def check_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     ``lessonlib.reference.attention``, each within the tolerance rule above. ``fn(q, k, v, causal=...)`` may return
     ``out`` or ``(out, lse)``. Outputs and gradients start as NaN (poisoned). Returns the output.
 
-    Gradients through softmax cancel: dQ_i = scale * sum_j P_ij (dP_ij - delta_i) K_j with dP = dO V^T and
-    delta_i = sum_j P_ij dP_ij is exactly 0 when a query sees a single key. A kernel's roundings scale with those
-    terms, not with the (possibly zero) result, so the rounding allowance is counted at the terms' size: for dQ,
-    scale * max|dP| * max|K| (the P_ij of a row sum to 1); for dK, which sums the same terms over queries and the
-    GQA group's heads, scale * max|dP| * max|Q| * the largest column sum of P. dV = P^T dO does not cancel.
+    Two effects set the rounding allowance of the gradients, each from the algorithm rather than from a guess:
+
+    * Cancellation. dQ_i = scale * sum_j P_ij (dP_ij - delta_i) K_j with dP = dO V^T and delta_i = sum_j P_ij dP_ij
+      is exactly 0 when a query sees a single key, so roundings scale with the terms, not the (possibly zero)
+      result: scale * max|dP| * max|K| for dQ (a row of P sums to 1), and scale * max|dP| * max|Q| * the largest
+      column sum of P for dK, which sums over queries and the GQA group's heads.
+    * Recomputing P. A FlashAttention backward rebuilds P_ij = exp(s_ij - lse_i) from the saved log-sum-exp
+      instead of storing it (in log2 units: exp2(s_ij * log2 e - lse_i * log2 e)). s_ij and lse_i are each
+      rounded at their own size, so the argument is off by about (|s_ij| + |lse_i|) * log2 e roundings, and P by
+      that many relative roundings. Every gradient's allowance is multiplied by (1 + X), X the largest
+      (|s_ij| + |lse_i|) * log2 e over visible pairs (about 10 for random inputs); dV = P^T dO (no cancellation)
+      gets max|dO| * the largest column sum of P * (1 + X).
     """
     from lessonlib import reference
 
@@ -120,9 +128,14 @@ def check_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
         scores = scores.masked_fill(~reference.causal_mask(q.shape[2], k.shape[2], q.device), float("-inf"))
     p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     column_sums = p.unflatten(1, (k.shape[1], group)).sum(dim=(2, 3)).max().item()
+    lse = torch.logsumexp(scores, dim=-1, keepdim=True)
+    visible = torch.isfinite(scores) & torch.isfinite(lse)
+    exponent = (scores.abs() + lse.abs())[visible].max().item() * math.log2(math.e) if visible.any() else 0.0
     d_p = (grad_out.double() @ v64.repeat_interleave(group, dim=1).transpose(-1, -2)).abs().max().item()
-    magnitudes = {"q": scale * d_p * k64.abs().max().item(), "k": scale * d_p * q64.abs().max().item() * column_sums,
-                  "v": None}
+    recompute = 1.0 + exponent
+    magnitudes = {"q": scale * d_p * k64.abs().max().item() * recompute,
+                  "k": scale * d_p * q64.abs().max().item() * column_sums * recompute,
+                  "v": grad_out.double().abs().max().item() * column_sums * recompute}
     for which, ours, theirs, lowp in zip("qkv", leaves, truth_leaves, low_leaves):
         if ours.grad is None:
             raise AssertionError(f"{name}: no gradient reached {which}")

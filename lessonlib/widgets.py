@@ -181,3 +181,31 @@ def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8,
     view.controls = controls
     view.trace, view.exact = trace, exact
     return view
+
+
+def show_kv_reservation(lengths, block_size=16, max_len=4096) -> dict:
+    """Used vs paged vs contiguous KV memory for ``lengths`` (Llama-3-8B's 128 KiB of K and V per token)."""
+    from lessonlib import kv_memory
+
+    result = kv_memory.reservation(lengths, max_len, block_size)
+    per_token = kv_memory.kv_bytes_per_token()
+    print(f"block_size {block_size}, max_len {max_len:,}: used {result.used_tokens * per_token / 1e9:,.1f} GB; paged "
+          f"holds {result.paged_tokens * per_token / 1e9:,.1f} GB ({result.paged_waste:.1%} unused); contiguous "
+          f"reserves {result.contiguous_tokens * per_token / 1e9:,.1f} GB ({result.contiguous_waste:.1%} unused)")
+    plots.kv_reservation(lengths.clamp(max=max_len), result, per_token, max_len, block_size)
+    plt.show()
+    return {"paged_waste": result.paged_waste, "contiguous_waste": result.contiguous_waste,
+            "used_tokens": result.used_tokens}
+
+
+def kv_reservation_explorer(lengths):
+    """Block size and maximum length against the memory the same requests hold."""
+    import ipywidgets as w
+
+    controls = {
+        "block_size": w.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=16, description="block_size"),
+        "max_len": w.IntSlider(value=4096, min=1024, max=32768, step=1024, description="max_len", continuous_update=False),
+    }
+    view = w.interactive(show_kv_reservation, lengths=w.fixed(lengths), **controls)
+    view.controls = controls
+    return view

@@ -118,10 +118,10 @@ def _multiprocessors() -> int:
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if runtime.on_gpu() else 4
 
 
-def num_splits_for(batch: int, kv_heads: int, max_blocks: int) -> int:
+def num_splits_for(batch: int, kv_heads: int, max_blocks: int, multiprocessors: int | None = None) -> int:
     """Enough splits that (batch x KV heads x splits) programs cover the GPU about twice, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks long."""
-    wanted = math.ceil(2 * _multiprocessors() / (batch * kv_heads))
+    MIN_BLOCKS_PER_SPLIT blocks long. ``multiprocessors``: the GPU's SM count (default: this GPU's; an H200 has 132)."""
+    wanted = math.ceil(2 * (multiprocessors or _multiprocessors()) / (batch * kv_heads))
     return max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
