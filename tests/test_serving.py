@@ -126,3 +126,11 @@ def test_seed_example_runs_in_vllms_own_engine_process():
     lines = [line for line in result.stdout.splitlines() if " -> " in line]
     assert [line.split(" -> ")[0] for line in lines] == [repr(p) for p in serving.SEED_PROMPTS], result.stdout
     assert "attention backends: ['CPU_ATTN']" in result.stdout or runtime.on_gpu(), result.stdout
+
+
+def test_blocks_needed_checker_uses_the_engine(llm):
+    from lessonlib.exercises import ExerciseFailed, check_blocks_needed
+
+    check_blocks_needed(lambda p, m, b: -(-(p + m - 1) // b))
+    with pytest.raises(ExerciseFailed, match="very last token"):
+        check_blocks_needed(lambda p, m, b: -(-(p + m) // b))  # counts the last sampled token's K/V
