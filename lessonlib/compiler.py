@@ -1,0 +1,93 @@
+"""Looking inside torch.compile for lesson 04: the code Inductor generates, the kernels in it, graph breaks,
+recompilations, and Inductor's log channels (read from a subprocess, since TORCH_LOGS is read at import)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+
+import torch
+
+from lessonlib import runtime
+
+runtime.mode()  # torch.compile imports triton: the mode must be chosen first (see lessonlib.runtime)
+
+FUSED_KERNEL = re.compile(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", re.M)
+# A call site, "extern_kernels.mm(..." or "buf4 = torch.ops.lessonlib.swiglu.default(...", not comments or asserts.
+LIBRARY_CALL = re.compile(r"^\s*(?:\w+\s*=\s*)?(extern_kernels\.\w+|torch\.ops\.(?!inductor\b)\w+\.\w+)(?:\.default)?\(", re.M)
+
+
+@dataclass
+class GeneratedCode:
+    code: str  # Inductor's output code (Python with C++ or Triton kernels inside)
+    fused_kernels: list[str]  # kernels Inductor wrote: one per fused group of ops
+    library_calls: list[str]  # calls it left to libraries (GEMMs) or to registered custom ops, in call order
+
+    @property
+    def launches(self) -> int:
+        """Kernels one call runs: Inductor's own plus the library and custom-op calls."""
+        return len(self.fused_kernels) + len(self.library_calls)
+
+
+def generated_code(fn, *args) -> tuple[object, GeneratedCode]:
+    """Compile ``fn`` (a function or module, already wrapped in torch.compile or not), run it on ``args`` and return
+    (its output, the code Inductor generated for it). Uses Inductor's own helper, run_and_get_code."""
+    from torch._inductor.utils import run_and_get_code
+
+    compiled = fn if hasattr(fn, "_torchdynamo_orig_callable") else torch.compile(fn)
+    out, codes = run_and_get_code(compiled, *args)
+    code = "\n".join(codes)
+    return out, GeneratedCode(code, FUSED_KERNEL.findall(code), _calls_in_call_function(code))
+
+
+def _calls_in_call_function(code: str) -> list[str]:
+    """Library calls inside the generated ``call`` function (the one that runs per invocation)."""
+    body = code.split("def call(", 1)[1] if "def call(" in code else code
+    body = body.split("\ndef ", 1)[0]
+    return [m.group(1) for m in LIBRARY_CALL.finditer(body)]
+
+
+@dataclass
+class GraphBreak:
+    reason: str
+    where: str
+
+
+def graph_breaks(fn, *args) -> list[GraphBreak]:
+    """Where and why Dynamo splits ``fn`` into several graphs (``torch._dynamo.explain``)."""
+    torch._dynamo.reset()
+    report = torch._dynamo.explain(fn)(*args)
+    breaks = []
+    for item in report.break_reasons:
+        frame = item.user_stack[-1] if item.user_stack else None
+        where = f"{os.path.basename(frame.filename)}:{frame.lineno} {frame.line.strip() if frame.line else ''}" if frame else "?"
+        breaks.append(GraphBreak(item.reason.strip().splitlines()[0], where))
+    return breaks
+
+
+def count_compilations(fn, inputs, **compile_kwargs) -> int:
+    """Compile ``fn`` once and call it on each of ``inputs`` (tuples of arguments); return how many graphs Dynamo
+    compiled in total (1 = no recompilation)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fn, **compile_kwargs)
+    for args in inputs:
+        compiled(*args)
+    return int(counters["stats"]["unique_graphs"])
+
+
+def torch_logs(snippet: str, channels: str, timeout: float = 600) -> list[str]:
+    """Run ``snippet`` in a fresh Python with TORCH_LOGS=``channels`` and return what those logs printed. (The
+    variable is read when torch is imported, so it cannot be switched on inside a running notebook.)"""
+    env = {**os.environ, "TORCH_LOGS": channels, "LESSONLIB_MODE": runtime.mode()}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(snippet)], capture_output=True, text=True,
+                            env=env, timeout=timeout)
+    if result.returncode != 0:
+        raise RuntimeError(f"the snippet failed:\n{result.stderr[-3000:]}")
+    return [line for line in result.stderr.splitlines() if line.strip()]
