@@ -149,27 +149,11 @@ class PagedKVCache:
         n_new = k.shape[0]
         if n_new == 0:
             return
-        table, length = self.tables[seq_id], self.lengths[seq_id]
-        last_shared = length % self.block_size != 0 and self.allocator.ref_counts[table[-1]] > 1
-        new_blocks = -(-(length + n_new) // self.block_size) - len(table)
-        needed = new_blocks + (1 if last_shared else 0)
-        if not self.allocator.can_allocate(needed):
-            raise OutOfBlocks(needed, self.allocator.num_free)
-        # Nothing below can fail: mutate.
-        if last_shared:  # copy-on-write: this sequence gets its own copy of the partly filled block
-            old, new = table[-1], self.allocator.allocate()
-            self.k_cache[new].copy_(self.k_cache[old])
-            self.v_cache[new].copy_(self.v_cache[old])
-            self.allocator.release(old)
-            table[-1] = new
-        table.extend(self.allocator.allocate() for _ in range(new_blocks))
-        positions = torch.arange(length, length + n_new, device=self.k_cache.device)
-        blocks = torch.tensor(table, dtype=torch.int64, device=self.k_cache.device)[positions // self.block_size]
-        slots = blocks * self.block_size + positions % self.block_size
+        table = self.tables[seq_id]
+        slots = self._grow(seq_id, n_new)
         from lessonlib.ops import store_kv
 
         store_kv(k, v, self.k_cache, self.v_cache, slots, validate=False)  # distinct and in range by construction
-        self.lengths[seq_id] = length + n_new
         if token_ids is None:
             self._hashable[seq_id] = False
         elif self._hashable[seq_id]:
@@ -180,6 +164,38 @@ class PagedKVCache:
                     digests.append(_chain(digests[-1] if digests else b"", pending))
                     self.allocator.register(table[len(digests) - 1], digests[-1])
                     pending.clear()
+
+    def reserve(self, seq_id: Hashable, n: int) -> torch.Tensor:
+        """Make room for ``n`` more tokens (new blocks, copy-on-write of a shared last block) without writing them,
+        and return their slots, (n,) int64: block * block_size + offset. For a caller that writes K and V itself,
+        such as a decode step captured in a CUDA graph. Tokens added this way are not prefix-cached."""
+        self._known([seq_id])
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"reserve: n must be a non-negative int, got {n!r}")
+        slots = self._grow(seq_id, n)
+        self._hashable[seq_id] = False
+        return slots
+
+    def _grow(self, seq_id: Hashable, n_new: int) -> torch.Tensor:
+        """Allocate what n_new more tokens need (all or nothing), advance the length, return the new slots."""
+        table, length = self.tables[seq_id], self.lengths[seq_id]
+        last_shared = length % self.block_size != 0 and self.allocator.ref_counts[table[-1]] > 1
+        new_blocks = -(-(length + n_new) // self.block_size) - len(table)
+        needed = new_blocks + (1 if last_shared and n_new else 0)
+        if not self.allocator.can_allocate(needed):
+            raise OutOfBlocks(needed, self.allocator.num_free)
+        # Nothing below can fail: mutate.
+        if last_shared and n_new:  # copy-on-write: this sequence gets its own copy of the partly filled block
+            old, new = table[-1], self.allocator.allocate()
+            self.k_cache[new].copy_(self.k_cache[old])
+            self.v_cache[new].copy_(self.v_cache[old])
+            self.allocator.release(old)
+            table[-1] = new
+        table.extend(self.allocator.allocate() for _ in range(new_blocks))
+        positions = torch.arange(length, length + n_new, device=self.k_cache.device)
+        blocks = torch.tensor(table, dtype=torch.int64, device=self.k_cache.device)[positions // self.block_size]
+        self.lengths[seq_id] = length + n_new
+        return blocks * self.block_size + positions % self.block_size
 
     def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """The child starts as the parent's exact copy, sharing every block (e.g. parallel sampling)."""
