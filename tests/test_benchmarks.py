@@ -50,3 +50,9 @@ def test_bench_flash_attention_smoke_writes_a_results_file(tmp_path):
         assert recorded.select(op=op, impl="lessonlib"), op
     assert recorded.select(op="forward", impl="naive") and recorded.select(op="forward", impl="SDPA")
     assert all(r["tflops"] > 0 for r in recorded.select(op="forward", impl="lessonlib"))
+
+
+def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):
+    recorded = run_smoke("bench_cuda_graphs.py", tmp_path)
+    assert recorded.select(op="gated_mlp", impl="eager")
+    assert recorded.select(op="decode_step", impl="lessonlib fused step")
