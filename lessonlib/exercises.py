@@ -315,3 +315,31 @@ def check_no_graph_break(fn) -> None:
             raise ExerciseFailed(f"no_graph_break: still {len(breaks)} graph break(s): {breaks[0].reason} at {breaks[0].where}")
         torch.testing.assert_close(got, want)
     print("no_graph_break: one graph, no break, same result as eager on 3 shapes")
+
+
+def check_refresh_static_inputs(fn) -> None:
+    """``fn(static, new) -> None``: before a CUDA-graph replay, put the values of the tensors in ``new`` (a dict of
+    name -> tensor) into the graph's ``static`` tensors (same names, shapes, dtypes), in place. A replay reads the
+    addresses recorded at capture: rebinding a name to a new tensor, or replacing it in the dict, changes nothing
+    the graph will see."""
+    generator = torch.Generator().manual_seed(int(torch.randint(0, 2**31, ())))
+    for trial in range(5):
+        shapes = {"hidden": (3, 8), "slots": (3,), "block_table": (3, 4), "seq_lens": (3,)}
+        static = {name: torch.zeros(shape) for name, shape in shapes.items()}
+        addresses = {name: t.data_ptr() for name, t in static.items()}
+        originals = dict(static)
+        new = {name: torch.randn(shape, generator=generator) for name, shape in shapes.items()}
+        try:
+            result = fn(static, new)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"refresh_static_inputs: not implemented yet ({e or 'NotImplementedError'}). "
+                                 "Fill in the stub.") from None
+        for name in shapes:
+            if static[name] is not originals[name] or static[name].data_ptr() != addresses[name]:
+                raise ExerciseFailed(f"refresh_static_inputs: static[{name!r}] is a different tensor now; the graph "
+                                     "still reads the old one. Copy into it in place (Tensor.copy_).")
+            if not torch.equal(originals[name], new[name]):
+                raise ExerciseFailed(f"refresh_static_inputs: static[{name!r}] does not hold the new values")
+        if result is not None:
+            raise ExerciseFailed("refresh_static_inputs: work in place and return None")
+    print("refresh_static_inputs: new values in the captured tensors, every address unchanged")

@@ -92,3 +92,18 @@ def test_reservation_counts_whole_blocks_and_slabs():
     with pytest.raises(ValueError):
         kv_memory.reservation(lengths, max_len=64, block_size=0)
     assert kv_memory.kv_bytes_per_token() == 128 * 1024  # Llama-3-8B, bf16
+
+
+def test_refresh_static_inputs_checker():
+    from lessonlib.exercises import check_refresh_static_inputs
+
+    def in_place(static, new):
+        for name, tensor in new.items():
+            static[name].copy_(tensor)
+
+    def rebinds(static, new):
+        static.update(new)
+
+    check_refresh_static_inputs(in_place)
+    with pytest.raises(ExerciseFailed, match="in place"):
+        check_refresh_static_inputs(rebinds)
