@@ -5,7 +5,7 @@ layer's decode step over a paged KV cache.
 
 bf16. GatedMLP (hidden 4096, intermediate 14336) at T = 1, 8, 128, 2048: eager, torch.compile (default),
 torch.compile(mode="reduce-overhead"), and the eager module captured by hand into a CUDA graph. Decoder layer
-(Llama-3-8B shapes: 32 query heads, 8 KV heads, D=128) decode step at batch 1, 8, 64 and context 1024: the plain
+(Llama-3-8B shapes: 32 query heads, 8 KV heads, D=128) decode step at batch 1, 8, 64 and context 1024 and 8192: the plain
 PyTorch step, lessonlib's fused step, and the fused step replayed from a CUDA graph (the plain step syncs with the
 host, so it cannot be captured); the memory each graph's pool holds.
 Every path is checked against the eager result first. ``--smoke`` runs tiny sizes in any mode (no graphs on CPU).
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 from lessonlib import reference, runtime  # noqa: E402
 from lessonlib.decoder import DecoderLayer, next_token_inputs  # noqa: E402
 from lessonlib.kv_cache import PagedKVCache  # noqa: E402
-from lessonlib.measure import time_fn  # noqa: E402
+from lessonlib.measure import count_launches, time_fn, warm_up_gpu  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
 
 
@@ -39,6 +39,7 @@ def main():
     device = runtime.device()
     dtype = torch.bfloat16 if gpu else torch.float16
     records, notes = [], {}
+    warm_up_gpu()
 
     def record(op, impl, shape, us, **extra):
         records.append({"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
@@ -71,8 +72,8 @@ def main():
 
     heads, kv_heads, head_dim = (4, 2, 16) if args.smoke else (32, 8, 128)
     layer = DecoderLayer(hidden, heads, kv_heads, head_dim, inter, device=device, dtype=dtype)
-    context, block_size = (40, 16) if args.smoke else (1024, 16)
-    for batch in ((1, 2) if args.smoke else (1, 8, 64)):
+    block_size = 16
+    for batch, context in ([(1, 40), (2, 40)] if args.smoke else [(1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192)]):
         max_blocks = -(-(context + 64) // block_size)
         cache = PagedKVCache(batch * max_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
         seqs = list(range(batch))
@@ -89,7 +90,9 @@ def main():
             same("fused step", got, want)
             steps = {"eager PyTorch step": layer.step, "lessonlib fused step": layer.fused_step}
             for name, step in steps.items():
-                record("decode_step", name, shape, time_fn(step, inputs, cache.k_cache, cache.v_cache).median_us)
+                launches = count_launches(step, inputs, cache.k_cache, cache.v_cache).total
+                record("decode_step", name, shape, time_fn(step, inputs, cache.k_cache, cache.v_cache).median_us,
+                       launches=launches)
             if gpu:
                 from lessonlib.cuda_graphs import Graphed
 
@@ -103,7 +106,8 @@ def main():
                 graphed = Graphed(run, *[t.clone() for t in static])
                 same("graphed fused step", graphed(*static)[0], want)
                 record("decode_step", "lessonlib fused step, CUDA graph", shape, time_fn(graphed, *static).median_us,
-                       pool_mb=round(graphed.pool_bytes / 2**20, 1))
+                       pool_mb=round(graphed.pool_bytes / 2**20, 1),
+                       launches=count_launches(graphed.graph.replay).total)  # the same kernels, one launch call
     results = Results("cuda_graphs", " ".join(["python", *sys.argv]), environment(), {}, records, notes)
     print("wrote", results.save(args.out))
 

@@ -23,7 +23,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lessonlib import ops, reference, runtime  # noqa: E402
-from lessonlib.measure import gbps, time_copy, time_fn  # noqa: E402
+from lessonlib.ops.flash_attention import backward, backward_config, forward_config  # noqa: E402
+from lessonlib.measure import gbps, time_copy, time_fn, warm_up_gpu  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
@@ -74,6 +75,7 @@ def main():
     device = runtime.device()
     dtype = torch.bfloat16 if runtime.on_gpu() else torch.float16
     records, notes = [], {}
+    warm_up_gpu()
 
     def record(op, impl, shape, us, **extra):
         rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
@@ -127,18 +129,38 @@ def main():
             del closure
         del q, k, v
 
-    # A bounded sweep of the forward kernel's tiles at the target shapes: every configuration recorded.
-    configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)] if args.smoke else [
+    # A bounded sweep of the kernels' tiles at the target shapes: every configuration checked, then recorded.
+    forward_configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)] if args.smoke else [
         dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm, bn, w, st in ((64, 64, 4, 3), (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4),
-                              (128, 32, 4, 4), (64, 128, 4, 3), (128, 128, 4, 2))]
+        for bm, bn, w, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+                              (64, 128, 4, 3))]
+    backward_configs = [backward_config(32)] if args.smoke else [
+        {"dkdv": dict(BLOCK_M=mk, BLOCK_N=nk, num_warps=w, num_stages=st),
+         "dq": dict(BLOCK_M=mq, BLOCK_N=nq, num_warps=w, num_stages=st)}
+        for (mk, nk), (mq, nq), w, st in (((32, 64), (64, 32), 4, 3), ((32, 64), (64, 32), 4, 2),
+                                          ((32, 128), (128, 32), 8, 3), ((64, 128), (128, 64), 8, 2))]
     for batch, heads, n, head_dim, causal in (cases[:2] if args.smoke else targets):
         q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+        one = (q[:1, :2], k[:1, :2], v[:1, :2])
+        truth, low = reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal)
         shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
-        for config in configs:
+        flops = forward_flops(batch, heads, n, n, head_dim, causal)
+        for config in forward_configs:
             label = "lessonlib " + " ".join(f"{k}={v}" for k, v in config.items())
+            check_close(f"flash_attention {label}", ops.flash_attention(*one, causal=causal, config=config), truth, low)
             measure("forward", label, lambda c=config: ops.flash_attention(q, k, v, causal=causal, config=c), shape,
-                    forward_flops(batch, heads, n, n, head_dim, causal))
+                    flops)
+        scale = head_dim ** -0.5
+        out, lse = ops.flash_attention(q, k, v, causal=causal, return_lse=True)
+        grad = torch.randn_like(out)
+        for config in backward_configs:
+            label = "lessonlib " + " | ".join(f"{kernel} " + " ".join(f"{k}={v}" for k, v in c.items())
+                                               for kernel, c in config.items())
+            measure("backward", label, lambda c=config: backward(q, k, v, out, lse, grad, causal, scale, config=c),
+                    shape, 2.5 * flops)
+        del q, k, v, out, lse, grad
+    notes["default_configs"] = {f"D={d}": {"forward": forward_config(d), "backward": backward_config(d)}
+                                for d in (64, 128)}
 
     # Decode: one query per sequence over its whole KV: the bytes of K and V are the time.
     decode_cases = [(2, 4, 64, 32)] if args.smoke else [(32, 32, n, 128) for n in (1024, 4096, 16384)]

@@ -20,7 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lessonlib import ops, reference, runtime  # noqa: E402
-from lessonlib.measure import gbps, time_copy, time_fn  # noqa: E402
+from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
@@ -45,6 +45,33 @@ def gather(cache, table, context):
     return pages[:, :context].transpose(1, 2)
 
 
+def flex_paged(q, k_cache, v_cache, table, lens):
+    """PyTorch's FlexAttention through its own paged-attention helper (torch.nn.attention.experimental), on the same
+    pages: a compiled flex_attention call whose block mask maps logical KV blocks to physical pages. Returns a
+    function of no arguments (the set-up — the cache relaid as flex wants it, the converted block mask — is not
+    timed)."""
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    max_blocks = table.shape[1]
+    # Flex's paged cache is one sequence of pages per KV head: (1, Hkv, num_blocks * block_size, D).
+    k_flex = k_cache.permute(2, 0, 1, 3).reshape(1, kv_heads, num_blocks * block_size, head_dim)
+    v_flex = v_cache.permute(2, 0, 1, 3).reshape(1, kv_heads, num_blocks * block_size, head_dim)
+    paged = PagedAttention(num_blocks, block_size, batch, device=q.device)
+    paged.page_table[:, :max_blocks] = table.long()
+    rows = torch.arange(batch, device=q.device)[:, None]
+    paged.physical_to_logical[rows, table.long()] = torch.arange(max_blocks, device=q.device)[None, :].expand(batch, -1)
+    lens_long = lens.long()
+    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lens_long[b], batch, None, 1,
+                                max_blocks * block_size, device=q.device, BLOCK_SIZE=block_size)
+    block_mask = paged.convert_logical_block_mask(logical, kv_len=lens_long)
+    compiled = torch.compile(flex_attention, fullgraph=True)
+    q4 = q[:, :, None]
+    return lambda: compiled(q4, k_flex, v_flex, block_mask=block_mask, enable_gqa=True)[:, :, 0]
+
+
 def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
@@ -60,35 +87,56 @@ def main():
     heads, kv_heads, head_dim, block_size = (8, 2, 32, 16) if args.smoke else (32, 8, 128, 16)
     cases = [(2, 64), (1, 100)] if args.smoke else [(32, 4096), (64, 2048), (8, 16384), (1, 32768)]
     records = []
+    warm_up_gpu()
 
-    def record(op, impl, shape, us, nbytes):
+    def measure(op, impl, shape, fn, nbytes, capturable=True):
+        """Two times per call: from Python (time_fn: what a plain decode loop pays, host included) and replayed
+        from a CUDA graph (time_graph: the GPU's time alone, what a graph-captured decode step pays)."""
+        us = time_fn(fn).median_us
+        graph_us = time_graph(fn).median_us if runtime.on_gpu() and capturable else None
         rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "us": round(us, 3),
-               "bytes": nbytes, "gbps": round(nbytes / (us * 1e-6) / 1e9, 1)}
+               "bytes": nbytes, "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
+               "graph_us": None if graph_us is None else round(graph_us, 3),
+               "graph_gbps": None if graph_us is None else round(nbytes / (graph_us * 1e-6) / 1e9, 1)}
         records.append(rec)
-        print(f"{op:16s} {impl:28s} {str(shape):34s} {us:10.2f} us {rec['gbps']:8.0f} GB/s", flush=True)
+        graph = "" if graph_us is None else f"   graph {graph_us:8.2f} us {rec['graph_gbps']:6.0f} GB/s"
+        print(f"{op:16s} {impl:40s} {str(shape):34s} {us:8.2f} us {rec['gbps']:6.0f} GB/s{graph}", flush=True)
 
     for batch, context in cases:
         q, k_cache, v_cache, table, lens = build(batch, context, heads, kv_heads, head_dim, block_size, dtype)
-        check_close("paged_attention", ops.paged_attention(q, k_cache, v_cache, table, lens),
-                    reference.paged_attention(*to_float64(q, k_cache, v_cache), table, lens),
-                    reference.paged_attention(q, k_cache, v_cache, table, lens))
+        truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, lens)
+        low = reference.paged_attention(q, k_cache, v_cache, table, lens)
+        check_close("paged_attention", ops.paged_attention(q, k_cache, v_cache, table, lens), truth, low)
         k, v = gather(k_cache, table, context).contiguous(), gather(v_cache, table, context).contiguous()
         nbytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
         shape = {"B": batch, "context": context, "H": heads, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
-        # The kernels with validate=False: the table checks cost a device sync per call (timed separately).
-        record("paged_attention", "lessonlib", shape,
-               time_fn(ops.paged_attention, q, k_cache, v_cache, table, lens, validate=False).median_us, nbytes)
-        record("paged_attention", "lessonlib, tables validated every call", shape,
-               time_fn(ops.paged_attention, q, k_cache, v_cache, table, lens).median_us, nbytes)
-        record("paged_attention", "SDPA, contiguous cache", shape, time_fn(sdpa, q, k, v).median_us, nbytes)
-        record("paged_attention", "gather pages, then SDPA", shape,
-               time_fn(lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context))).median_us, nbytes)
-        variants = [{"num_splits": s} for s in (1, 4, 16)] + [
-            {"blocks_per_step": bps, "num_warps": w} for bps in (1, 2, 4, 8) for w in (4, 8)]
+        # The kernels with validate=False; the table checks cost a device sync per call (timed separately, and
+        # a sync cannot be graph-captured).
+        measure("paged_attention", "lessonlib", shape,
+                lambda: ops.paged_attention(q, k_cache, v_cache, table, lens, validate=False), nbytes)
+        measure("paged_attention", "lessonlib, tables validated every call", shape,
+                lambda: ops.paged_attention(q, k_cache, v_cache, table, lens), nbytes, capturable=False)
+        measure("paged_attention", "SDPA, contiguous cache", shape, lambda: sdpa(q, k, v), nbytes)
+        measure("paged_attention", "gather pages, then SDPA", shape,
+                lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context)), nbytes)
+        try:
+            flex = flex_paged(q, k_cache, v_cache, table, lens)
+            check_close("FlexAttention paged", flex(), truth, low)
+            measure("paged_attention", "FlexAttention paged", shape, flex, nbytes)
+        except Exception as error:  # a peer that does not run here is recorded with its error, not hidden
+            message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+            records.append({"op": "paged_attention", "impl": "FlexAttention paged", "shape": shape,
+                            "dtype": str(dtype).removeprefix("torch."), "us": None, "error": message})
+            print("FlexAttention paged:", message, flush=True)
+        variants = [{"num_splits": s} for s in (1, 2, 4, 8, 16, 32, 64)] + [
+            {"blocks_per_step": bps, "num_warps": w, "num_stages": st}
+            for bps in (2, 4, 8) for w in (4, 8) for st in (2, 3, 4)] + [
+            {"num_splits": s, "blocks_per_step": 8, "num_warps": 8} for s in (8, 16, 32, 64)]
+        variants = variants[:2] if args.smoke else variants
         for knobs in variants:
             label = "lessonlib " + " ".join(f"{k}={v}" for k, v in knobs.items())
-            record("paged_attention", label, shape,
-                   time_fn(ops.paged_attention, q, k_cache, v_cache, table, lens, validate=False, **knobs).median_us, nbytes)
+            measure("paged_attention", label, shape,
+                    lambda kw=knobs: ops.paged_attention(q, k_cache, v_cache, table, lens, validate=False, **kw), nbytes)
         del q, k_cache, v_cache, k, v
 
     tokens = 64 if args.smoke else 4096
@@ -102,10 +150,13 @@ def main():
     assert torch.equal(k_cache.reshape(-1, kv_heads, head_dim)[slots], k_new)
     nbytes = 2 * 2 * k_new.numel() * k_new.element_size()  # K and V, each read once and written once
     shape = {"T": tokens, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
-    record("store_kv", "lessonlib", shape, time_fn(ops.store_kv, k_new, v_new, k_cache, v_cache, slots, validate=False).median_us, nbytes)
-    record("store_kv", "lessonlib, slots validated every call", shape,
-           time_fn(ops.store_kv, k_new, v_new, k_cache, v_cache, slots).median_us, nbytes)
-    record("store_kv", "copy (same bytes)", shape, time_copy(nbytes).median_us, nbytes)
+    measure("store_kv", "lessonlib", shape, lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots, validate=False),
+            nbytes)
+    measure("store_kv", "lessonlib, slots validated every call", shape,
+            lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots), nbytes, capturable=False)
+    src = torch.empty(nbytes // 4, dtype=torch.float16, device=runtime.device()).normal_()
+    dst = torch.empty_like(src)
+    measure("store_kv", "copy (same bytes)", shape, lambda: dst.copy_(src), nbytes)
 
     ceiling_bytes = 1 << (20 if args.smoke else 32)
     ceilings = {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None}

@@ -30,6 +30,7 @@ class Graphed:
                 fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache on entry: do it first, so `before` is honest
         before = torch.cuda.memory_reserved()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):

@@ -48,6 +48,41 @@ def time_fn(fn, *args, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 3
     return Timing(statistics.median(samples) * 1e6, on_gpu=False)
 
 
+def time_graph(fn, *args, reps: int = 200, **kwargs) -> Timing:
+    """GPU time of ``fn(*args, **kwargs)`` with the host taken out: the call is captured once into a CUDA graph
+    and replayed, the L2 flushed before each replay as in :func:`time_fn`. Where a call's Python costs more than
+    its kernels (decode-sized work), :func:`time_fn` measures the host and this measures the GPU; lesson 05 is
+    about that difference. ``fn`` must be capturable: no host sync, no CPU tensors created inside."""
+    if not runtime.on_gpu():
+        raise RuntimeError("time_graph needs a CUDA GPU")
+    from lessonlib.cuda_graphs import Graphed
+
+    graphed = Graphed(lambda: fn(*args, **kwargs))
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than the L2, as triton.testing uses
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for start, end in zip(starts, ends):
+        flush.zero_()
+        start.record()
+        graphed.graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return Timing(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3, on_gpu=True)
+
+
+def warm_up_gpu(seconds: float = 2.0) -> None:
+    """Keep the GPU busy for a moment so its clocks leave idle before the first timing (an idle H200 reports
+    a few hundred MHz, and the first case of a run would be timed while the clocks climb)."""
+    if not runtime.on_gpu():
+        return
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(20):
+            a @ a
+        torch.cuda.synchronize()
+
+
 # Operators that only relabel memory (views), allocate it, or dispatch to another operator: no kernel of their
 # own runs on a GPU. The operators they call are counted instead.
 _NO_KERNEL = {

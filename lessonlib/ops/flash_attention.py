@@ -76,7 +76,10 @@ def _flash_attention_forward_kernel(
     GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     HEAD_DIM: tl.constexpr,
 ):
-    start_m = tl.program_id(0) * BLOCK_M
+    tile = tl.program_id(0)
+    if CAUSAL:  # the last query tiles see the most keys: launch them first, so short tiles fill the tail
+        tile = tl.num_programs(0) - 1 - tile
+    start_m = tile * BLOCK_M
     batch = tl.program_id(1) // heads
     head = tl.program_id(1) % heads
     kv_head = head // GROUP
@@ -261,13 +264,23 @@ def forward_config(head_dim: int) -> dict:
     """Tile sizes and warps for the forward kernel. In the interpreter, small tiles keep each step cheap."""
     if not runtime.on_gpu():
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=3)
+    # From the recorded sweep (benchmarks/bench_flash_attention.py, H200): 128x64 with 8 warps was the fastest tile
+    # at D=128 (causal and not); at D=64, 64x64 with 4 warps.
+    if head_dim <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 
 
 def backward_config(head_dim: int) -> dict:
+    """Tiles and warps for the two backward kernels, each its own: the dK/dV kernel holds a key tile (BLOCK_N) and
+    streams query tiles (BLOCK_M) past it; the dQ kernel the other way round. So the tile a kernel keeps is the
+    large one, the tile it streams the small one (as in Triton's fused-attention tutorial)."""
     if not runtime.on_gpu():
-        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4 if head_dim <= 64 else 8, num_stages=2)
+        small = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+        return {"dkdv": small, "dq": small}
+    # From the recorded sweep: a 64-row kept tile and 32-row streamed tiles, 4 warps, was the fastest at D=128.
+    return {"dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
+            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -309,7 +322,9 @@ def _forward(q, k, v, causal, sm_scale, config=None):
     return out, lse
 
 
-def _backward(q, k, v, out, lse, grad_out, causal, sm_scale):
+def backward(q, k, v, out, lse, grad_out, causal, sm_scale, config=None):
+    """dq, dk, dv from the forward's output and log-sum-exp: the two backward kernels alone. ``config`` overrides
+    their tiles and warps (see :func:`backward_config`): a knob for benchmarks; autograd uses the default."""
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_kv = k.shape[1], k.shape[2]
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
@@ -317,14 +332,15 @@ def _backward(q, k, v, out, lse, grad_out, causal, sm_scale):
     dq = torch.empty(batch, heads, n_q, head_dim, dtype=q.dtype, device=q.device)
     dk = torch.empty(batch, kv_heads, n_kv, head_dim, dtype=k.dtype, device=k.device)
     dv = torch.empty_like(dk)
-    config = backward_config(head_dim)
+    config = config or backward_config(head_dim)
     strides = (q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
                v.stride(0), v.stride(1), v.stride(2), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2))
-    meta = dict(GROUP=heads // kv_heads, CAUSAL=causal, HEAD_DIM=head_dim, **config)
-    launch(_flash_attention_dkdv_kernel, (triton.cdiv(n_kv, config["BLOCK_N"]), batch * kv_heads),
-           q, k, v, grad_out, lse, delta, dk, dv, *strides, heads, kv_heads, n_q, n_kv, sm_scale, **meta)
-    launch(_flash_attention_dq_kernel, (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads),
-           q, k, v, grad_out, lse, delta, dq, *strides, heads, n_q, n_kv, sm_scale, **meta)
+    meta = dict(GROUP=heads // kv_heads, CAUSAL=causal, HEAD_DIM=head_dim)
+    dkdv, dq_tiles = config["dkdv"], config["dq"]
+    launch(_flash_attention_dkdv_kernel, (triton.cdiv(n_kv, dkdv["BLOCK_N"]), batch * kv_heads),
+           q, k, v, grad_out, lse, delta, dk, dv, *strides, heads, kv_heads, n_q, n_kv, sm_scale, **meta, **dkdv)
+    launch(_flash_attention_dq_kernel, (triton.cdiv(n_q, dq_tiles["BLOCK_M"]), batch * heads),
+           q, k, v, grad_out, lse, delta, dq, *strides, heads, n_q, n_kv, sm_scale, **meta, **dq_tiles)
     return dq, dk, dv
 
 
@@ -340,7 +356,7 @@ class _FlashAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out, grad_lse):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
+        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
         return dq, dk, dv, None, None, None
 
 

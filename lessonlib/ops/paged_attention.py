@@ -19,6 +19,7 @@ import math
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2
@@ -26,6 +27,17 @@ from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its partial result than on K/V
 TOKENS_PER_STEP = 64  # K/V rows gathered per loop iteration (several cache blocks)
+
+
+@triton.jit
+def _exp(x, PRECISE: tl.constexpr):
+    """exp. On the GPU ``tl.exp`` is the fast approximate instruction (a few units of rounding off in float32,
+    invisible in bf16/fp16); PRECISE uses CUDA's libdevice ``expf`` (within 2 units) instead, for float32 inputs."""
+    if PRECISE:
+        y = libdevice.exp(x)
+    else:
+        y = tl.exp(x)
+    return y
 
 
 @triton.jit
@@ -47,6 +59,7 @@ def _paged_attention_split_kernel(
     BLOCKS_PER_STEP: tl.constexpr,  # cache blocks gathered per loop iteration
     HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding), else the default
+    PRECISE_EXP: tl.constexpr,  # float32 inputs on the GPU: precise exp (see _exp)
 ):
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
@@ -80,8 +93,8 @@ def _paged_attention_split_kernel(
         valid = in_split & ((logical * BLOCK_SIZE + j) < seq_len)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
+        alpha = _exp(m - m_new, PRECISE_EXP)
+        p = _exp(scores - m_new[:, None], PRECISE_EXP)
         l = l * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m = m_new
@@ -99,6 +112,7 @@ def _paged_attention_reduce_kernel(
     num_splits,
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PRECISE_EXP: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
@@ -108,7 +122,7 @@ def _paged_attention_reduce_kernel(
     l = tl.load(partial_sum_ptr + row * num_splits + s, mask=s_mask, other=0.0)
     acc = tl.load(partial_out_ptr + (row * num_splits + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None], other=0.0)
     m_all = tl.max(m, axis=0)
-    weight = tl.where(m > float("-inf"), tl.exp(m - m_all), 0.0)  # a split past the sequence's end weighs 0
+    weight = tl.where(m > float("-inf"), _exp(m - m_all, PRECISE_EXP), 0.0)  # a split past the sequence's end weighs 0
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(l * weight, axis=0)
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
@@ -175,14 +189,14 @@ def check_inputs(q, k_cache, v_cache, block_table, seq_lens, *, validate: bool =
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
-    blocks_per_step: int | None = None, num_warps: int = 4, validate: bool = True,
+    blocks_per_step: int | None = None, num_warps: int = 4, num_stages: int | None = None, validate: bool = True,
 ) -> torch.Tensor:
     """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
 
     q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
     power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
-    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step`` and ``num_warps``
-    are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
+    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step``, ``num_warps`` and
+    ``num_stages`` are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
     cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
     by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
     Returns (B, H, D).
@@ -202,6 +216,7 @@ def paged_attention(
     partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     group = heads // kv_heads
+    precise = q.dtype == torch.float32 and runtime.on_gpu()  # the interpreter's exp is NumPy's: precise already
     launch(
         _paged_attention_split_kernel, (batch, kv_heads, splits),
         q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum,
@@ -209,11 +224,12 @@ def paged_attention(
         q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
         GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size,
         BLOCKS_PER_STEP=blocks_per_step or max(1, TOKENS_PER_STEP // block_size), HEAD_DIM=head_dim,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     launch(
         _paged_attention_reduce_kernel, (batch * heads,),
         partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits), HEAD_DIM=head_dim,
-        num_warps=4,
+        PRECISE_EXP=precise, num_warps=4,
     )
     return out

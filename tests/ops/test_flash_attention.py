@@ -89,7 +89,8 @@ def test_tiled_reference_equals_textbook_attention():
 
 def test_additive_mask_in_the_textbook_reference():
     q, k, v = to_float64(*inputs(1, 2, 2, 5, 9, 16, torch.float32))
-    causal = torch.zeros(5, 9, dtype=torch.float64).masked_fill(~reference.causal_mask(5, 9), float("-inf"))
+    causal = torch.zeros(5, 9, dtype=torch.float64, device=q.device).masked_fill(
+        ~reference.causal_mask(5, 9, q.device), float("-inf"))
     torch.testing.assert_close(reference.attention(q, k, v, mask=causal), reference.attention(q, k, v, causal=True))
 
 
