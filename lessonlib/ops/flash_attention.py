@@ -45,21 +45,21 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_
             k = tl.load(k_ptrs, mask=in_bounds[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, k) * qk_scale  # scores in log2 units
+        s = tl.dot(q, k)  # raw scores; scaled into log2 units inside the exponent below
         if MASKED:
             visible = in_bounds[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
             s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one fused multiply-add per score
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old maximum
         l_i = l_i * alpha + tl.sum(p, 1)
         if MASKED:
             v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the tensor cores add into the rescaled acc
         m_i = m_new
         k_ptrs += BLOCK_N * stride_kn
         v_ptrs += BLOCK_N * stride_vn

@@ -133,9 +133,13 @@ def _multiprocessors() -> int:
 
 
 def num_splits_for(batch: int, kv_heads: int, max_blocks: int, multiprocessors: int | None = None) -> int:
-    """Enough splits that (batch x KV heads x splits) programs cover the GPU about twice, each split at least
-    MIN_BLOCKS_PER_SPLIT blocks long. ``multiprocessors``: the GPU's SM count (default: this GPU's; an H200 has 132)."""
-    wanted = math.ceil(2 * (multiprocessors or _multiprocessors()) / (batch * kv_heads))
+    """Splits per sequence so that (batch x KV heads x splits) programs fill the GPU about four times over (four
+    programs per SM: enough loads in flight to keep HBM busy), rounded down to a power of two, each split at least
+    MIN_BLOCKS_PER_SPLIT blocks long. ``multiprocessors``: the GPU's SM count (default: this GPU's; an H200 has
+    132). On the H200 this picked the fastest of the swept split counts at all four benchmark shapes
+    (benchmarks/bench_paged_attention.py)."""
+    wanted = 4 * (multiprocessors or _multiprocessors()) // (batch * kv_heads)
+    wanted = 1 << (wanted.bit_length() - 1) if wanted > 1 else 1
     return max(1, min(wanted, max_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
