@@ -329,13 +329,13 @@ def tile_plan(plan, block_m: int, block_n: int, title: str, ax=None, legend: boo
     return fig
 
 
-def attention_speed(results: Results, causal: bool, ax=None):
-    """Forward TFLOP/s against sequence length per implementation, from a recorded benchmark run; naive attention's
-    out-of-memory points marked."""
+def attention_speed(results: Results, causal: bool, op: str = "forward", ax=None):
+    """TFLOP/s of the forward (or ``op="backward"``) against sequence length per implementation, from a recorded
+    benchmark run; points where an implementation ran out of memory or was refused are marked at 0."""
     fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
-    impls = sorted({r["impl"] for r in results.select(op="forward") if r["shape"]["D"] == 128 and "BLOCK" not in r["impl"]})
+    impls = sorted({r["impl"] for r in results.select(op=op) if r["shape"]["D"] == 128 and "BLOCK" not in r["impl"]})
     for i, impl in enumerate(impls):
-        recs = sorted((r for r in results.select(op="forward", impl=impl) if r["shape"]["D"] == 128
+        recs = sorted((r for r in results.select(op=op, impl=impl) if r["shape"]["D"] == 128
                        and r["shape"]["causal"] == causal and r["shape"]["H"] == 32 and r["shape"]["B"] * r["shape"]["N"] == 16384),
                       key=lambda r: r["shape"]["N"])
         ok = [r for r in recs if r["us"] is not None]
@@ -345,9 +345,10 @@ def attention_speed(results: Results, causal: bool, ax=None):
             if r["us"] is None:
                 ax.plot([r["shape"]["N"]], [0], "x", color=color, ms=10)
     ax.set_xscale("log", base=2)
+    _plain_log_ticks(ax)
     ax.set_xlabel("sequence length N (batch x N = 16k tokens, 32 heads, D=128)")
-    ax.set_ylabel("TFLOP/s (forward)")
-    ax.set_title(f"Attention forward, {'causal' if causal else 'full'} (x at 0: out of memory or refused)")
+    ax.set_ylabel(f"TFLOP/s ({op})")
+    ax.set_title(f"Attention {op}, {'causal' if causal else 'full'} (x at 0: out of memory or refused)")
     ax.legend(fontsize=8)
     ax.grid(True, alpha=0.2)
     _footnote(fig, results.provenance())
@@ -380,26 +381,99 @@ def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, blo
 
 
 def paged_attention_speed(results: Results, ax=None):
-    """Decode attention GB/s per shape: lessonlib's paged kernel against SDPA on a contiguous cache and gather+SDPA."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8.5, 4.0))
-    impls = ["lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA"]
-    colours = [IMPL_COLORS["lessonlib"], IMPL_COLORS["torch.compile"], "#9ecae1"]
+    """Decode attention GB/s per shape: lessonlib's paged kernel against SDPA on a contiguous cache, gather+SDPA and
+    FlexAttention's paged attention. GPU time (each call replayed from a CUDA graph) where the run recorded it."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(9, 4.2))
+    impls = ["lessonlib", "SDPA, contiguous cache", "gather pages, then SDPA", "FlexAttention paged"]
+    colours = [IMPL_COLORS["lessonlib"], IMPL_COLORS["torch.compile"], "#9ecae1", "#ff7f0e"]
     shapes = []
     for rec in results.select(op="paged_attention", impl="lessonlib"):
         key = (rec["shape"]["B"], rec["shape"]["context"])
         if key not in shapes:
             shapes.append(key)
+    graph_timed = any(r.get("graph_gbps") for r in results.select(op="paged_attention"))
     width = 0.8 / len(impls)
     for i, (impl, colour) in enumerate(zip(impls, colours)):
-        values = [results.one(op="paged_attention", impl=impl, B=b, context=c)["gbps"] for b, c in shapes]
-        ax.bar(np.arange(len(shapes)) + (i - 1) * width, values, width, label=impl, color=colour)
+        xs = np.arange(len(shapes)) + (i - (len(impls) - 1) / 2) * width
+        for x, (b, c) in zip(xs, shapes):
+            found = results.select(op="paged_attention", impl=impl, B=b, context=c)
+            value = found and (found[0].get("graph_gbps") or found[0].get("gbps"))
+            if value:
+                ax.bar(x, value, width, color=colour)
+            elif found:  # recorded with an error: this peer does not run at this shape
+                ax.text(x, 0, "x", ha="center", va="bottom", color=colour, fontsize=11, fontweight="bold")
     ax.axhline(results.ceilings["bandwidth_gbs"], color="black", ls="--", lw=1)
-    ax.text(len(shapes) - 0.5, results.ceilings["bandwidth_gbs"], "copy ceiling", ha="right", va="bottom", fontsize=8)
+    ax.text(len(shapes) - 0.5, results.ceilings["bandwidth_gbs"], "copy ceiling (read + write)", ha="right",
+            va="bottom", fontsize=8)
     ax.set_xticks(range(len(shapes)), [f"B={b}\ncontext {c:,}" for b, c in shapes])
-    ax.set_ylabel("GB/s of K and V read")
-    ax.set_ylim(0, results.ceilings["bandwidth_gbs"] * 1.3)
-    ax.set_title("Decode attention: paged (lessonlib) vs contiguous (SDPA)", fontsize=10)
+    ax.set_ylabel("GB/s of K and V read" + (" (GPU time, graph-replayed)" if graph_timed else ""))
+    ax.set_ylim(0, results.ceilings["bandwidth_gbs"] * 1.35)
+    ax.set_title("Decode attention, 32 query heads over 8 KV heads, D=128, 16-token blocks"
+                 "\n(x: FlexAttention refused 16-token pages at that shape)", fontsize=10)
+    from matplotlib.patches import Patch
+
+    ax.legend(handles=[Patch(color=c, label=i) for i, c in zip(impls, colours)], fontsize=8, loc="upper left", ncol=4)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def decode_step_times(results: Results, ax=None):
+    """One decoder layer's decode step: eager PyTorch, lessonlib's fused kernels, and the fused step replayed from
+    a CUDA graph, at each batch size and context; the kernels per step written on each bar."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(11, 4.4))
+    impls = {"eager PyTorch step": IMPL_COLORS["eager"], "lessonlib fused step": IMPL_COLORS["lessonlib"],
+             "lessonlib fused step, CUDA graph": "#6a3d9a"}
+    shapes = []
+    for rec in results.select(op="decode_step"):
+        key = (rec["shape"]["B"], rec["shape"]["context"])
+        if key not in shapes:
+            shapes.append(key)
+    width = 0.8 / len(impls)
+    for i, (impl, colour) in enumerate(impls.items()):
+        xs = np.arange(len(shapes)) + (i - 1) * width
+        recs = [results.one(op="decode_step", impl=impl, B=b, context=c) for b, c in shapes]
+        ax.bar(xs, [r["us"] for r in recs], width, color=colour, label=impl)
+        for x, r in zip(xs, recs):
+            ax.text(x, r["us"], f"{r['us']:,.0f}", ha="center", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    _plain_log_ticks(ax)
+    ax.set_ylim(top=ax.get_ylim()[1] * 4)
+
+    def kernels(b, c):
+        counts = [results.one(op="decode_step", impl=impl, B=b, context=c).get("launches") for impl in impls]
+        return "" if None in counts else "\nkernels " + " / ".join(map(str, counts))
+
+    ax.set_xticks(range(len(shapes)), [f"B={b}, context {c:,}{kernels(b, c)}" for b, c in shapes], fontsize=8)
+    ax.set_ylabel("µs per decode step (log)")
+    ax.set_title("One decoder layer's decode step (hidden 4096, 32/8 heads, D=128): µs per step", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", ncol=3)
+    ax.grid(True, axis="y", alpha=0.2)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+def launch_modes(results: Results, ax=None):
+    """The GatedMLP at T tokens: eager, torch.compile, reduce-overhead and a hand-captured graph, relative to eager."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8, 4.0))
+    tokens = sorted({r["shape"]["T"] for r in results.select(op="gated_mlp")})
+    impls = {"eager": IMPL_COLORS["eager"], "torch.compile": IMPL_COLORS["torch.compile"],
+             "torch.compile reduce-overhead": "#17becf", "CUDA graph (by hand)": "#6a3d9a"}
+    width = 0.8 / len(impls)
+    for i, (impl, colour) in enumerate(impls.items()):
+        xs = np.arange(len(tokens)) + (i - 1.5) * width
+        recs = [results.one(op="gated_mlp", impl=impl, T=t) for t in tokens]
+        eager = [results.one(op="gated_mlp", impl="eager", T=t)["us"] for t in tokens]
+        ax.bar(xs, [r["us"] / e for r, e in zip(recs, eager)], width, color=colour, label=impl)
+        for x, r in zip(xs, recs):
+            ax.text(x, 0.02, f"{r['us']:,.0f} µs", rotation=90, ha="center", va="bottom", fontsize=7, color="white")
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(tokens)), [f"T={t}" for t in tokens])
+    ax.set_ylabel("time relative to eager (lower is faster)")
+    ax.set_ylim(0, 1.5)
+    ax.set_title("GatedMLP (H=4096, I=14336): four ways to launch the same work", fontsize=10)
+    ax.legend(fontsize=8, loc="upper center", ncol=4)
     _footnote(fig, results.provenance())
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
