@@ -8,6 +8,12 @@ and naive attention (``lessonlib.reference.attention``: the full score matrix, u
 a bounded sweep of the forward kernel's tile configurations at the two target shapes (every one recorded), decode
 (one query over a long KV sequence) as GB/s of K and V read, and the real error SDPA raises when a backend is forced
 onto inputs it cannot take. Every lessonlib case is checked against the float64 reference first.
+
+Where the forward's time goes: ``_forward_variant_kernel`` is a copy of lessonlib's forward loop (non-causal, whole
+tiles) with one thing changed per variant, timed at the non-causal target shapes beside the unchanged copy (which
+must match lessonlib's own time): the matrix products alone (no softmax: timing only, not attention), rescaling only
+when a row's maximum grew by more than 2^8 (FlashAttention-4's trick), and exp2 in 16 bits (twice the elements per
+special-function instruction).
 ``--smoke`` runs tiny sizes in any mode (it tests this script).
 """
 
@@ -23,12 +29,93 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lessonlib import ops, reference, runtime  # noqa: E402
+
+runtime.mode()  # chosen before the kernel below is defined
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
 from lessonlib.ops.flash_attention import backward, backward_config, forward_config  # noqa: E402
 from lessonlib.measure import gbps, time_copy, time_fn, warm_up_gpu  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
 SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+
+
+FORWARD_VARIANTS = {0: "loop copy, unchanged", 1: "matrix products alone (no softmax)",
+                    2: "lazy rescale (FlashAttention-4)", 3: "exp2 in 16 bits"}
+
+
+@triton.jit
+def _forward_variant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, stride_n, qk_scale, VARIANT: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """lessonlib's forward loop for (B*H, N, D) inputs with row stride ``stride_n`` (a run-time value, as in
+    lessonlib), non-causal, N a multiple of both tiles, with one change per VARIANT (see FORWARD_VARIANTS).
+    Variant 1 computes no attention: it is there to be timed."""
+    start_m = tl.program_id(0) * BLOCK_M
+    base = tl.program_id(1).to(tl.int64) * n * stride_n
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + base + offs_m[:, None] * stride_n + offs_d[None, :])
+    k_tile = offs_n[None, :] * stride_n + offs_d[:, None]
+    v_tile = offs_n[:, None] * stride_n + offs_d[None, :]
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for start_n in range(0, n, BLOCK_N):
+        s = tl.dot(q, tl.load(k_ptr + base + tl.cast(start_n, tl.int64) * stride_n + k_tile))
+        v = tl.load(v_ptr + base + tl.cast(start_n, tl.int64) * stride_n + v_tile)
+        if VARIANT == 1:
+            acc = tl.dot(s.to(v.dtype), v, acc)
+        elif VARIANT == 2:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            if tl.max(m_new - m_i, 0) > 8.0:  # one decision for the whole tile: a reduction across the warps
+                alpha = tl.math.exp2(m_i - m_new)
+                acc = acc * alpha[:, None]
+                l_i = l_i * alpha
+                m_i = m_new
+            p = tl.math.exp2(s * qk_scale - m_i[:, None])  # at most 2^8 while the maximum is stale
+            l_i += tl.sum(p, 1)
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        else:
+            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
+            if VARIANT == 3:
+                p = _exp2_16bit(s * qk_scale - m_new[:, None], v.dtype)
+            else:
+                p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            alpha = tl.math.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_new
+    if VARIANT != 1:
+        acc = acc / l_i[:, None]
+    tl.store(out_ptr + base + offs_m[:, None] * stride_n + offs_d[None, :], acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _exp2_16bit(x, dtype: tl.constexpr):
+    """2^x rounded to bfloat16 or float16, two elements per instruction (PTX ex2.approx.*16x2; GPU only)."""
+    if dtype == tl.bfloat16:
+        y = tl.inline_asm_elementwise("ex2.approx.ftz.bf16x2 $0, $1;", "=r,r", [x.to(tl.bfloat16)],
+                                      dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        y = tl.inline_asm_elementwise("ex2.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)], dtype=tl.float16,
+                                      is_pure=True, pack=2)
+    return y
+
+
+def forward_variant(q, k, v, variant):
+    """Run _forward_variant_kernel with lessonlib's forward tiles for this head_dim."""
+    batch, heads, n, head_dim = q.shape
+    config = forward_config(head_dim)
+    if k.shape != q.shape or v.shape != q.shape or n % config["BLOCK_M"] or n % config["BLOCK_N"]:
+        raise ValueError(f"forward_variant: q, k, v of one shape with N a multiple of the tiles, got {tuple(q.shape)}")
+    q, k, v = (t.contiguous() for t in (q, k, v))
+    out = torch.empty_like(q)
+    _forward_variant_kernel[(n // config["BLOCK_M"], batch * heads)](
+        q, k, v, out, n, head_dim, head_dim ** -0.5 * 1.4426950408889634, VARIANT=variant, HEAD_DIM=head_dim, **config)
+    return out
 
 
 def forward_flops(batch, heads, n_q, n_kv, head_dim, causal):
@@ -132,7 +219,7 @@ def main():
     # A bounded sweep of the kernels' tiles at the target shapes: every configuration checked, then recorded.
     forward_configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)] if args.smoke else [
         dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm, bn, w, st in ((64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+        for bm, bn, w, st in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3),
                               (64, 128, 4, 3))]
     backward_configs = [backward_config(32)] if args.smoke else [
         {"dkdv": dict(BLOCK_M=mk, BLOCK_N=nk, num_warps=w, num_stages=st),
@@ -161,6 +248,29 @@ def main():
         del q, k, v, out, lse, grad
     notes["default_configs"] = {f"D={d}": {"forward": forward_config(d), "backward": backward_config(d)}
                                 for d in (64, 128)}
+
+    # Where the forward's time goes: the loop copied, changed one way at a time, at the non-causal target shapes.
+    variant_cases = [(1, 2, 64, 32)] if args.smoke else [(2, 32, 4096, 128), (4, 16, 2048, 64)]
+    variants = [0, 1, 2] + ([3] if runtime.on_gpu() else [])  # the interpreter runs no inline PTX
+    for batch, heads, n, head_dim in variant_cases:
+        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+        shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": False}
+        flops = forward_flops(batch, heads, n, n, head_dim, False)
+        one = (q[:1, :2], k[:1, :2], v[:1, :2])
+        truth, low = reference.attention(*to_float64(*one)), reference.attention(*one)
+        measure("forward variant", "lessonlib", lambda: ops.flash_attention(q, k, v), shape, flops)  # beside its copy
+        for variant in variants:
+            if variant == 0:
+                check_close("forward variant 0", forward_variant(*one, 0), truth, low)
+            elif variant > 1:  # variant 1 is not attention; the others are timed whatever their error, and say it
+                try:
+                    check_close(f"forward variant {variant}", forward_variant(*one, variant), truth, low)
+                    notes[f"forward variant {variant} check, D={head_dim}"] = "passed"
+                except AssertionError as error:
+                    notes[f"forward variant {variant} check, D={head_dim}"] = str(error)
+            measure("forward variant", FORWARD_VARIANTS[variant], lambda i=variant: forward_variant(q, k, v, i),
+                    shape, flops)
+        del q, k, v
 
     # Decode: one query per sequence over its whole KV: the bytes of K and V are the time.
     decode_cases = [(2, 4, 64, 32)] if args.smoke else [(32, 32, n, 128) for n in (1024, 4096, 16384)]
