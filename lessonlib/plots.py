@@ -356,6 +356,41 @@ def attention_speed(results: Results, causal: bool, op: str = "forward", ax=None
     return fig
 
 
+FORWARD_BUDGET = (  # (record's impl in op "forward variant", label, colour)
+    ("matrix products alone (no softmax)", "the loop's matrix products alone\n(softmax removed: not attention)", "#6baed6"),
+    ("loop copy, unchanged", "the whole loop\n(a copy of lessonlib's)", IMPL_COLORS["lessonlib"]),
+    ("lazy rescale (FlashAttention-4)", "... rescaling only when the\nmaximum grows by > 2^8", "#a1d99b"),
+    ("exp2 in 16 bits", "... exp2 in 16 bits\n(2 per instruction)", "#a1d99b"),
+)
+
+
+def forward_time_budget(results: Results, shape: dict, ax=None):
+    """Where the forward's time goes, from one recorded run: the time its FLOPs take at the measured matmul rate, the
+    benchmark's copies of lessonlib's loop changed one way at a time (``op="forward variant"``), and cuDNN."""
+    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(8.5, 4.4))
+    flops = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"]
+    rows = [("its FLOPs at the measured\nmatmul rate (cuBLAS)", flops / (results.ceilings["matmul_tflops"] * 1e12) * 1e6,
+             "#bdbdbd")]
+    rows += [(label, results.one(op="forward variant", impl=impl, **shape)["us"], color)
+             for impl, label, color in FORWARD_BUDGET]
+    rows += [("cuDNN (SDPA)", r["us"], "#9467bd") for r in results.select(op="forward", impl="SDPA cudnn", **shape)]
+    ys = np.arange(len(rows))[::-1]
+    ax.barh(ys, [us for _, us, _ in rows], color=[c for _, _, c in rows], height=0.6)
+    ax.set_yticks(ys, [label for label, _, _ in rows], fontsize=8)
+    matmuls = rows[1][1]
+    for i, (y, (_, us, _)) in enumerate(zip(ys, rows)):
+        extra = f"\n  +{us - matmuls:,.0f} us over the matrix products" if i > 1 else ""
+        ax.text(us, y, f" {us:,.0f} us = {flops / (us * 1e-6) / 1e12:.0f} TFLOP/s{extra}", va="center", fontsize=8)
+    ax.axvline(matmuls, color="#6baed6", ls="--", lw=1)
+    ax.set_xlim(0, max(us for _, us, _ in rows) * 1.6)
+    ax.set_xlabel("microseconds per forward (shorter is faster)")
+    ax.set_title(f"Where the forward's time goes: B={shape['B']} H={shape['H']} N={shape['N']} D={shape['D']}, full")
+    ax.grid(True, axis="x", alpha=0.2)
+    _footnote(fig, results.provenance())
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
 def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, block_size: int):
     """Left: how long the requests are. Right: KV memory used vs held by paged blocks vs reserved as slabs."""
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.2, 1]})
