@@ -33,14 +33,11 @@ class Timing:
 
 
 def time_fn(fn, *args, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 3, **kwargs) -> Timing:
-    """Median time of ``fn(*args, **kwargs)``. On a GPU that has been idle (a student reading between two cells),
-    the clocks are brought up first: see :func:`warm_up_gpu`."""
+    """Median time of ``fn(*args, **kwargs)``."""
     if runtime.on_gpu():
         import triton.testing
 
-        _clocks_up()
         ms = triton.testing.do_bench(lambda: fn(*args, **kwargs), warmup=warmup_ms, rep=rep_ms, return_mode="median")
-        _clocks_up.last = time.perf_counter()
         return Timing(ms * 1e3, on_gpu=True)
     fn(*args, **kwargs)  # warm-up, as on the GPU
     samples = []
@@ -61,7 +58,6 @@ def time_graph(fn, *args, reps: int = 200, **kwargs) -> Timing:
     from lessonlib.cuda_graphs import Graphed
 
     graphed = Graphed(lambda: fn(*args, **kwargs))
-    _clocks_up()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")  # larger than the L2, as triton.testing uses
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -71,7 +67,6 @@ def time_graph(fn, *args, reps: int = 200, **kwargs) -> Timing:
         graphed.graph.replay()
         end.record()
     torch.cuda.synchronize()
-    _clocks_up.last = time.perf_counter()
     return Timing(statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends)) * 1e3, on_gpu=True)
 
 
@@ -86,17 +81,6 @@ def warm_up_gpu(seconds: float = 2.0) -> None:
         for _ in range(20):
             a @ a
         torch.cuda.synchronize()
-    _clocks_up.last = time.perf_counter()
-
-
-def _clocks_up(idle_s: float = 5.0) -> None:
-    """Warm the GPU up (one second) unless a timing or a warm-up ended less than ``idle_s`` ago: back-to-back
-    timings in a benchmark pay nothing, the first timing after a pause in a notebook is not taken at idle clocks."""
-    if time.perf_counter() - _clocks_up.last > idle_s:
-        warm_up_gpu(1.0)
-
-
-_clocks_up.last = float("-inf")
 
 
 # Operators that only relabel memory (views), allocate it, or dispatch to another operator: no kernel of their
