@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -71,21 +72,177 @@ def device() -> torch.device:
     return torch.device("cuda") if on_gpu() else torch.device("cpu")
 
 
-def pick(*, cpu, gpu):
-    """A problem size for the current mode: small on CPU so the interpreter finishes in seconds, real on GPU.
+def pick(*, cpu, gpu, small_gpu=None):
+    """A problem size for the current mode: small on CPU so the interpreter finishes in seconds, real on a GPU, and
+    ``small_gpu`` (when given) on a card of 24 GB or less (a T4 or L4), so a notebook stays in its memory budget.
 
     >>> tokens = pick(cpu=64, gpu=8192)
+    >>> B, H, N = pick(cpu=(1, 2, 64), gpu=(2, 32, 4096), small_gpu=(1, 16, 4096))
     """
-    return gpu if on_gpu() else cpu
+    if not on_gpu():
+        return cpu
+    if small_gpu is not None and gpu_profile().small:
+        return small_gpu
+    return gpu
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The GPU profile: what the student's GPU can do, decided once. Every kernel configuration, dtype choice, problem
+# size and SDPA guard reads it, so that `LESSONLIB_GPU_PROFILE=t4` on a big GPU makes the whole course behave as it
+# would on a Colab T4.
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    """The limits of one GPU that the course's choices depend on.
+
+    ``shared_memory_per_block`` is the opt-in maximum a kernel may ask for (what Triton checks at load time), not
+    the 48 KB default. ``memory_bytes`` is the card's memory as the driver reports it; :attr:`memory_budget` is what
+    a notebook may use of it.
+    """
+
+    name: str
+    capability: tuple[int, int]  # (major, minor): (7, 5) is sm_75
+    multiprocessors: int
+    shared_memory_per_block: int  # bytes, opt-in limit
+    memory_bytes: int
+    emulated_on: str | None = None  # the real GPU's name when LESSONLIB_GPU_PROFILE emulates this one
+
+    @property
+    def arch(self) -> int:
+        """75 for sm_75: the number Triton's ``GPUTarget`` and ``nvcc -arch`` use."""
+        return 10 * self.capability[0] + self.capability[1]
+
+    @property
+    def has_bfloat16(self) -> bool:
+        """bfloat16 arithmetic and tensor-core products: sm_80 (Ampere) and newer. A T4 (sm_75) has none."""
+        return self.capability >= (8, 0)
+
+    @property
+    def triton_tensor_cores(self) -> bool:
+        """Whether Triton's ``tl.dot`` uses tensor cores here. On sm_75 Triton 3.x lowers it to plain FMA."""
+        return self.capability >= (8, 0)
+
+    @property
+    def has_tma(self) -> bool:
+        """The tensor memory accelerator (bulk tensor copies): Hopper, sm_90, and newer."""
+        return self.capability >= (9, 0)
+
+    @property
+    def memory_budget(self) -> int:
+        """Bytes of GPU memory a notebook may use: three quarters of the card (12 GB of a 16 GB T4), leaving room
+        for the CUDA context, cuBLAS workspaces and the caching allocator's slack."""
+        return int(0.75 * self.memory_bytes)
+
+    @property
+    def small(self) -> bool:
+        """A card of 24 GB or less (T4, L4): notebooks pick their smaller GPU sizes."""
+        return self.memory_bytes <= 24 * 2**30
+
+    def sdpa_backends(self) -> tuple[str, ...]:
+        """SDPA backends PyTorch has kernels for on this GPU: FlashAttention-2 and cuDNN need sm_80 or newer; the
+        memory-efficient backend and the math fallback run everywhere (efficient: no bfloat16 below sm_80)."""
+        modern = ("FLASH_ATTENTION", "CUDNN_ATTENTION") if self.capability >= (8, 0) else ()
+        return (*modern, "EFFICIENT_ATTENTION", "MATH")
+
+    def describe(self) -> str:
+        gib = self.memory_bytes / 2**30
+        text = (f"{self.name} (sm_{self.arch}, {self.multiprocessors} SMs, {self.shared_memory_per_block // 1024} KB "
+                f"shared memory per block, {gib:.0f} GiB, bfloat16 {'yes' if self.has_bfloat16 else 'no'})")
+        if self.emulated_on:
+            text += f", emulated on {self.emulated_on}"
+        return text
+
+
+# The GPUs students meet (Colab's T4, L4, A100; the H100 and the H200 the course was measured on). Shared memory is
+# the opt-in per-block limit of each architecture (CUDA programming guide, compute capabilities table); memory is what
+# the driver reports on Colab (T4 15 GiB usable of 16 GB; A100 the 40 GB part).
+PROFILES: dict[str, GPUProfile] = {
+    "t4": GPUProfile("Tesla T4", (7, 5), 40, 64 * 1024, 15 * 2**30),
+    "l4": GPUProfile("NVIDIA L4", (8, 9), 58, 99 * 1024, int(22.5 * 2**30)),
+    "a100": GPUProfile("NVIDIA A100-SXM4-40GB", (8, 0), 108, 163 * 1024, 40 * 2**30),
+    "h100": GPUProfile("NVIDIA H100 80GB HBM3", (9, 0), 132, 227 * 1024, 80 * 2**30),
+    "h200": GPUProfile("NVIDIA H200", (9, 0), 132, 227 * 1024, 141 * 2**30),
+}
 
 
 @lru_cache(maxsize=None)
+def gpu_profile() -> GPUProfile | None:
+    """This machine's GPU profile, or None in the interpreter. ``LESSONLIB_GPU_PROFILE=t4`` (``l4``, ``a100``,
+    ``h100``, ``h200``) emulates that GPU on a larger one: its dtype policy, shared-memory budget for kernel
+    configurations, memory budget (enforced with ``torch.cuda.set_per_process_memory_fraction``), problem sizes and
+    absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated."""
+    if not on_gpu():
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    native = GPUProfile(
+        name=props.name,
+        capability=(props.major, props.minor),
+        multiprocessors=props.multi_processor_count,
+        shared_memory_per_block=getattr(props, "shared_memory_per_block_optin", 0) or _optin_shared_memory(props),
+        memory_bytes=props.total_memory,
+    )
+    wanted = os.environ.get("LESSONLIB_GPU_PROFILE", "").strip().lower()
+    if not wanted or wanted == "native":
+        return native
+    if wanted not in PROFILES:
+        raise ValueError(f"LESSONLIB_GPU_PROFILE={wanted!r}: expected one of {sorted(PROFILES)} (or 'native')")
+    emulated = PROFILES[wanted]
+    if emulated.capability > native.capability or emulated.memory_bytes > native.memory_bytes:
+        raise ValueError(f"LESSONLIB_GPU_PROFILE={wanted!r}: {native.name} cannot emulate a {emulated.name} "
+                         "(it must be at least as capable and as large)")
+    # Hold the process to the emulated card's memory: allocations past it fail as they would there.
+    torch.cuda.set_per_process_memory_fraction(emulated.memory_bytes / native.memory_bytes)
+    return replace(emulated, emulated_on=native.name)
+
+
+def _optin_shared_memory(props) -> int:
+    # Older torch builds do not expose the opt-in limit: the architecture's value (CUDA programming guide).
+    by_capability = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227}
+    return by_capability.get((props.major, props.minor), 48) * 1024
+
+
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     """Floating dtypes the kernels accept here. Triton's interpreter has no bfloat16 (its bf16 ``tl.dot`` returns
-    garbage), so the course keeps bf16 to the GPU everywhere."""
-    if on_gpu():
+    garbage), and GPUs below sm_80 (a T4) have no bfloat16 arithmetic: Triton refuses to compile it there."""
+    profile = gpu_profile()
+    if profile is not None and profile.has_bfloat16:
         return (torch.float32, torch.float16, torch.bfloat16)
     return (torch.float32, torch.float16)
+
+
+def dtype(cpu: torch.dtype = torch.float16) -> torch.dtype:
+    """The course's low-precision dtype here: bfloat16 on a GPU that has it, float16 on one that does not (sm_75),
+    ``cpu`` in the interpreter. Every notebook, benchmark and checker picks its dtype through this.
+
+    >>> dtype = runtime.dtype()             # bfloat16 on an A100/H100, float16 on a T4 and on the CPU
+    >>> dtype = runtime.dtype(torch.float32)  # float32 on the CPU
+    """
+    profile = gpu_profile()
+    if profile is None:
+        return cpu
+    return torch.bfloat16 if profile.has_bfloat16 else torch.float16
+
+
+def why_not_bfloat16() -> str:
+    """One sentence for an error message: why bfloat16 is refused here."""
+    profile = gpu_profile()
+    if profile is None:
+        return "bfloat16 runs on the GPU only: Triton's interpreter has no bfloat16"
+    return (f"the {profile.name} (sm_{profile.arch}) has no bfloat16: it needs sm_80 or newer (Triton says "
+            "\"Feature '.bf16' requires .target sm_80 or higher\"); use float16")
+
+
+class MemoryBudgetError(ValueError):
+    """A problem size that would not fit the GPU's memory budget, refused before anything is allocated."""
+
+
+def check_fits(nbytes: int, what: str) -> None:
+    """Raise :class:`MemoryBudgetError` if ``nbytes`` exceeds this GPU's memory budget (no check on the CPU)."""
+    profile = gpu_profile()
+    if profile is not None and nbytes > profile.memory_budget:
+        raise MemoryBudgetError(f"{what} needs {nbytes / 2**30:.1f} GiB, over the {profile.memory_budget / 2**30:.1f} "
+                                f"GiB budget of this {profile.name}: choose a smaller size")
 
 
 def describe() -> str:
@@ -95,7 +252,7 @@ def describe() -> str:
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
     if gpu:
-        return f"Mode: GPU ({torch.cuda.get_device_name()}), {versions}"
+        return f"Mode: GPU: {gpu_profile().describe()}, {versions}"
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
 
 

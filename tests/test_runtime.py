@@ -45,3 +45,86 @@ def test_unknown_mode_is_rejected():
 def test_pick_follows_the_mode(mode, expected):
     result = run("import lessonlib; print(lessonlib.pick(cpu=64, gpu=8192))", LESSONLIB_MODE=mode)
     assert result.stdout.strip() == expected, result.stderr
+
+
+# --- The GPU profile, on GPUs this machine does not have: torch's device properties are stood in for. ---
+
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from lessonlib import runtime  # noqa: E402
+
+H200 = SimpleNamespace(name="NVIDIA H200", major=9, minor=0, multi_processor_count=132,
+                       shared_memory_per_block_optin=232448, total_memory=150_000_000_000)
+T4 = SimpleNamespace(name="Tesla T4", major=7, minor=5, multi_processor_count=40,
+                     shared_memory_per_block_optin=65536, total_memory=15_828_320_256)
+
+
+@pytest.fixture
+def on_gpu(monkeypatch):
+    """Pretend to be on a GPU whose properties the test sets; the memory fraction asked for is recorded."""
+    fractions = []
+    state = SimpleNamespace(props=H200, fractions=fractions)
+    monkeypatch.setattr(runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: state.props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
+    monkeypatch.delenv("LESSONLIB_GPU_PROFILE", raising=False)
+    runtime.gpu_profile.cache_clear()
+    yield state
+    runtime.gpu_profile.cache_clear()
+
+
+def test_native_profile_reads_the_device(on_gpu):
+    profile = runtime.gpu_profile()
+    assert (profile.arch, profile.multiprocessors, profile.shared_memory_per_block) == (90, 132, 232448)
+    assert profile.has_bfloat16 and profile.triton_tensor_cores and profile.has_tma and not profile.small
+    assert runtime.dtype() is torch.bfloat16 and torch.bfloat16 in runtime.supported_dtypes()
+    assert runtime.pick(cpu=1, gpu=2, small_gpu=3) == 2
+    assert on_gpu.fractions == []  # nothing emulated: the whole card
+
+
+def test_a_t4_has_no_bfloat16_and_small_sizes(on_gpu):
+    on_gpu.props = T4
+    profile = runtime.gpu_profile()
+    assert profile.arch == 75 and not profile.has_bfloat16 and not profile.triton_tensor_cores
+    assert runtime.dtype() is torch.float16
+    assert torch.bfloat16 not in runtime.supported_dtypes()
+    assert "sm_80" in runtime.why_not_bfloat16()
+    assert runtime.pick(cpu=1, gpu=2, small_gpu=3) == 3
+    assert runtime.pick(cpu=1, gpu=2) == 2
+    assert profile.sdpa_backends() == ("EFFICIENT_ATTENTION", "MATH")
+    assert profile.memory_budget < 12 * 10**9
+
+
+@pytest.mark.parametrize("key", ["t4", "l4", "a100"])
+def test_emulation_takes_the_profile_and_caps_memory(on_gpu, monkeypatch, key):
+    monkeypatch.setenv("LESSONLIB_GPU_PROFILE", key)
+    profile = runtime.gpu_profile()
+    expected = runtime.PROFILES[key]
+    assert (profile.capability, profile.shared_memory_per_block) == (expected.capability, expected.shared_memory_per_block)
+    assert profile.emulated_on == "NVIDIA H200" and "emulated on NVIDIA H200" in profile.describe()
+    assert on_gpu.fractions == [pytest.approx(expected.memory_bytes / H200.total_memory)]
+
+
+def test_emulating_a_bigger_or_unknown_gpu_is_refused(on_gpu, monkeypatch):
+    on_gpu.props = T4
+    monkeypatch.setenv("LESSONLIB_GPU_PROFILE", "a100")
+    with pytest.raises(ValueError, match="cannot emulate"):
+        runtime.gpu_profile()
+    runtime.gpu_profile.cache_clear()
+    monkeypatch.setenv("LESSONLIB_GPU_PROFILE", "v100")
+    with pytest.raises(ValueError, match="expected one of"):
+        runtime.gpu_profile()
+
+
+def test_a_size_over_the_budget_is_refused_before_allocation(on_gpu):
+    on_gpu.props = T4
+    runtime.check_fits(2**30, "one GiB")
+    with pytest.raises(runtime.MemoryBudgetError, match="over the .* GiB budget of this Tesla T4"):
+        runtime.check_fits(17 * 2**30, "a float64 reference at B2 H32 N4096")
+
+
+def test_interpreter_has_no_profile():
+    assert runtime.on_gpu() or runtime.gpu_profile() is None

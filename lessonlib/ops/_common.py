@@ -33,7 +33,7 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
 
 def _raise_for(op, first_name, first, name, t, supported):
     if t.dtype not in supported:
-        hint = " (bfloat16 runs on the GPU only: Triton's interpreter has no bfloat16)" if t.dtype == torch.bfloat16 else ""
+        hint = f" ({runtime.why_not_bfloat16()})" if t.dtype == torch.bfloat16 else ""
         raise TypeError(f"{op}: {name} has dtype {t.dtype}; supported here: {', '.join(map(str, supported))}{hint}")
     if t.dtype != first.dtype:
         raise TypeError(f"{op}: mixed dtypes: {first_name} is {first.dtype} but {name} is {t.dtype}")

@@ -261,9 +261,11 @@ def tile_plan(n_q: int, n_kv: int, block_m: int, block_n: int, causal: bool) -> 
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
-    """float16 and bfloat16 on a GPU; float32 and float16 in the interpreter (no bfloat16 there, and ``tl.dot`` on a
-    GPU would run float32 as TF32)."""
-    return (torch.float16, torch.bfloat16) if runtime.on_gpu() else (torch.float32, torch.float16)
+    """The GPU's 16-bit dtypes (float16, and bfloat16 from sm_80 on); float32 and float16 in the interpreter. No
+    float32 on a GPU: ``tl.dot`` would run it as TF32, a different function."""
+    if not runtime.on_gpu():
+        return (torch.float32, torch.float16)
+    return tuple(d for d in (torch.float16, torch.bfloat16) if d in runtime.supported_dtypes())
 
 
 def forward_config(head_dim: int) -> dict:
@@ -297,7 +299,8 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
             raise ValueError(f"flash_attention: {name} must be (B, H, N, D), got shape {tuple(t.shape)}")
     if q.dtype not in supported_dtypes():
         where = "on the GPU" if runtime.on_gpu() else "in Triton's interpreter"
-        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported {where}; use one of "
+        why = f" ({runtime.why_not_bfloat16()})" if q.dtype == torch.bfloat16 else ""
+        raise TypeError(f"flash_attention: dtype {q.dtype} is not supported {where}{why}; use one of "
                         f"{', '.join(map(str, supported_dtypes()))}")
     if k.shape != v.shape:
         raise ValueError(f"flash_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")

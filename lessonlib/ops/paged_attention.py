@@ -13,7 +13,6 @@ read once per KV head, not once per query head.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -127,9 +126,9 @@ def _paged_attention_reduce_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-@functools.lru_cache(maxsize=None)
 def _multiprocessors() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count if runtime.on_gpu() else 4
+    profile = runtime.gpu_profile()
+    return profile.multiprocessors if profile is not None else 4
 
 
 def num_splits_for(batch: int, kv_heads: int, max_blocks: int, multiprocessors: int | None = None) -> int:
