@@ -75,7 +75,7 @@ def warm_up_gpu(seconds: float = 2.0) -> None:
     a few hundred MHz, and the first case of a run would be timed while the clocks climb)."""
     if not runtime.on_gpu():
         return
-    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(4096, 4096, device="cuda", dtype=runtime.dtype())
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         for _ in range(20):
@@ -171,7 +171,7 @@ class Ceilings:
     """The two numbers every kernel is judged against."""
 
     bandwidth_gbs: float  # device-to-device copy, bytes read + written per second / 1e9
-    matmul_tflops: float  # bf16 GEMM
+    matmul_tflops: float  # GEMM in the course's dtype: bf16, or fp16 on a GPU without bf16 (runtime.dtype())
     source: str  # "measured live on <GPU>" or the recorded run's provenance
 
     @property
@@ -181,21 +181,24 @@ class Ceilings:
 
 
 def measure_ceilings(copy_bytes: int = 2 << 30, matmul_size: int = 8192) -> Ceilings:
-    """Measure copy bandwidth and bf16 matmul rate on the current GPU (a few seconds)."""
+    """Measure copy bandwidth and the matmul rate on the current GPU (a few seconds), in the course's dtype there:
+    bfloat16, or float16 on a GPU without it (a T4's tensor cores take float16)."""
     import triton.testing
 
     if not runtime.on_gpu():
         raise RuntimeError("measure_ceilings needs a GPU; on CPU use lessonlib.results.recorded_ceilings()")
-    src = torch.empty(copy_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dtype = runtime.dtype()
+    src = torch.empty(copy_bytes // 2, dtype=dtype, device="cuda").normal_()
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), return_mode="median")
     bandwidth = 2 * copy_bytes / (ms * 1e-3) / 1e9
     del src, dst
-    a = torch.randn(matmul_size, matmul_size, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(matmul_size, matmul_size, dtype=torch.bfloat16, device="cuda")
+    a = torch.randn(matmul_size, matmul_size, dtype=dtype, device="cuda")
+    b = torch.randn(matmul_size, matmul_size, dtype=dtype, device="cuda")
     ms = triton.testing.do_bench(lambda: a @ b, return_mode="median")
     tflops = 2 * matmul_size**3 / (ms * 1e-3) / 1e12
-    return Ceilings(bandwidth, tflops, f"measured live on {torch.cuda.get_device_name()}")
+    name = str(dtype).removeprefix("torch.")
+    return Ceilings(bandwidth, tflops, f"measured live on {runtime.gpu_profile().name}, {name} matmul")
 
 
 def gbps(nbytes: int, timing: Timing) -> float:

@@ -92,34 +92,49 @@ def traffic(op: OpTraffic, ax=None):
 
 
 def bandwidth(results: Results, op: str, shape: dict, ceiling_gbs: float | None = None, live: dict | None = None, ax=None):
-    """GB/s of each implementation of ``op`` at ``shape`` from a recorded run, beside the copy ceiling; ``live``
-    adds the student's own measurements ({impl: GB/s}) as hatched bars."""
-    fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+    """GB/s of each implementation of ``op`` at ``shape`` from a recorded run, beside its copy ceiling. ``live`` (the
+    student's own {impl: GB/s}, with "copy (same bytes)" measured in the same run) gets a panel of its own, on its
+    own axis and ceiling: a T4's 300 GB/s drawn on an H200's 4,000 GB/s axis would be a sliver."""
+    if live and ax is None:
+        fig, (ax, live_ax) = plt.subplots(1, 2, figsize=(13, 4.2))
+    else:
+        fig, ax = (ax.figure, ax) if ax is not None else plt.subplots(figsize=(7.5, 4.2))
+        live_ax = None
     impls = ["eager", "torch.compile", "lessonlib", "copy (same bytes)"]
     recs = {r["impl"]: r for r in results.select(op=op, **shape) if "regime" not in r}
     recs["copy (same bytes)"] = results.one(op="copy", **shape)
-    values = [recs[i]["gbps"] for i in impls]
-    bars = ax.bar(range(len(impls)), values, color=[IMPL_COLORS[i] for i in impls], width=0.6)
-    for b, v in zip(bars, values):
-        ax.text(b.get_x() + b.get_width() / 2, v, f"{v:,.0f}", ha="center", va="bottom", fontsize=9)
-    if live:
-        for j, impl in enumerate(impls):
-            if impl in live:
-                ax.bar(j + 0.3, live[impl], width=0.25, color="white", edgecolor=IMPL_COLORS[impl], hatch="//",
-                       label="hatched: measured now on your GPU" if j == 0 else None)
-    ceiling = ceiling_gbs or results.ceilings["bandwidth_gbs"]
-    ax.axhline(ceiling, color="black", ls="--", lw=1)
-    ax.text(-0.4, ceiling * 1.01, f"copy ceiling {ceiling:,.0f} GB/s", ha="left", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(impls)), impls)
-    ax.set_ylabel("GB/s (fewest bytes the op must move / time)")
-    ax.set_ylim(0, ceiling * 1.15)
-    ax.set_title(f"{op} at " + ", ".join(f"{k}={v}" for k, v in shape.items()) + f", {recs['lessonlib']['dtype']}"
-                 + f" (solid: recorded on {results.environment['gpu']})")
-    if live:
-        ax.legend(loc="upper right", fontsize=8)
+    _bandwidth_bars(ax, impls, {i: recs[i]["gbps"] for i in impls}, ceiling_gbs or results.ceilings["bandwidth_gbs"],
+                    f"recorded on {results.environment['gpu']}")
+    ax.set_title(f"{op} at " + ", ".join(f"{k}={v}" for k, v in shape.items()) + f", {recs['lessonlib']['dtype']}: "
+                 f"recorded on {results.environment['gpu']}", fontsize=10)
+    if live_ax is not None:
+        _bandwidth_bars(live_ax, impls, live, live["copy (same bytes)"], "measured now on your GPU", hatch="//")
+        live_ax.set_title(f"{op}, your GPU ({_gpu_name()})", fontsize=10)
     _footnote(fig, results.provenance())
     fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
+
+
+def _bandwidth_bars(ax, impls, values: dict, ceiling: float, label: str, hatch=None) -> None:
+    shown = [i for i in impls if i in values]
+    bars = ax.bar(range(len(shown)), [values[i] for i in shown], width=0.6, hatch=hatch,
+                  color=[IMPL_COLORS[i] for i in shown], edgecolor="white" if hatch else None)
+    top = max(ceiling, *values.values())
+    for b, i in zip(bars, shown):  # values inside the bars, so none collides with the ceiling's label
+        ax.text(b.get_x() + b.get_width() / 2, values[i] - 0.02 * top, f"{values[i]:,.0f}", ha="center", va="top",
+                fontsize=9, color="white", fontweight="bold")
+    ax.axhline(ceiling, color="black", ls="--", lw=1)
+    ax.text(-0.4, top * 1.04, f"copy ceiling {ceiling:,.0f} GB/s ({label})", ha="left", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(shown)), shown)
+    ax.set_ylabel("GB/s (fewest bytes the op must move / time)")
+    ax.set_ylim(0, top * 1.15)
+
+
+def _gpu_name() -> str:
+    from lessonlib import runtime
+
+    profile = runtime.gpu_profile()
+    return profile.name if profile is not None else "CPU"
 
 
 def per_call_time(results: Results, op: str, ax=None):

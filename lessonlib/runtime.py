@@ -18,6 +18,7 @@ machine). ``TRITON_INTERPRET=1`` set by the user is honoured as well.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from pathlib import Path
@@ -44,8 +45,22 @@ def mode() -> str:
         os.environ["TRITON_INTERPRET"] = "1"
     else:
         os.environ.pop("TRITON_INTERPRET", None)
+        if os.environ.get("LESSONLIB_PEAK_MEMORY_LOG"):
+            atexit.register(_log_peak_memory, os.environ["LESSONLIB_PEAK_MEMORY_LOG"])
     _check_triton_language(chosen)
     return chosen
+
+
+def _log_peak_memory(path: str) -> None:
+    """At exit, append this process's peak GPU memory (``torch.cuda.max_memory_allocated``) to ``path`` as one JSON
+    line: how benchmarks/NOTES.md records each notebook's peak, natively and under LESSONLIB_GPU_PROFILE."""
+    import json
+
+    profile = gpu_profile()
+    line = {"peak_bytes": torch.cuda.max_memory_allocated(), "profile": os.environ.get("LESSONLIB_GPU_PROFILE", "native"),
+            "gpu": profile.describe() if profile else None, "budget_bytes": profile.memory_budget if profile else None}
+    with open(path, "a") as f:
+        f.write(json.dumps(line) + "\n")
 
 
 def _check_triton_language(chosen: str) -> None:

@@ -9,7 +9,29 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from lessonlib import runtime
+
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+WHY_ABSENT = {
+    "FLASH_ATTENTION": "FlashAttention-2's CUDA kernels are built for sm_80 and newer",
+    "CUDNN_ATTENTION": "cuDNN's fused attention needs sm_80 or newer",
+}
+
+
+def available_backends() -> tuple[str, ...]:
+    """The backends this GPU has kernels for (all four on the CPU list: PyTorch itself says which refuse there)."""
+    profile = runtime.gpu_profile()
+    return BACKENDS if profile is None else profile.sdpa_backends()
+
+
+def _refuse_absent(backends: tuple[str, ...]) -> None:
+    """On a GPU profile without these backends (a T4, or LESSONLIB_GPU_PROFILE=t4 on a bigger GPU), raise the error
+    PyTorch raises on that GPU, before anything runs. Emulation needs it; on a real T4 PyTorch would say the same."""
+    missing = [b for b in backends if b not in available_backends()]
+    if missing and len(missing) == len(backends):
+        profile = runtime.gpu_profile()
+        reasons = "; ".join(f"{b}: {WHY_ABSENT.get(b, 'absent')}" for b in missing)
+        raise RuntimeError(f"No available kernel. Aborting execution. (on {profile.name}, sm_{profile.arch}: {reasons})")
 
 
 def attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = None, set_priority: bool = False):
@@ -17,7 +39,11 @@ def attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = 
     that order when ``set_priority``); None lets PyTorch choose. GQA through ``enable_gqa``."""
     gqa = q.shape[1] != k.shape[1]
     if backends is None:
+        backends = available_backends() if runtime.gpu_profile() is not None and runtime.gpu_profile().emulated_on else None
+    if backends is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    _refuse_absent(tuple(backends))
+    backends = [b for b in backends if b in available_backends()]
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends], set_priority=set_priority):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
