@@ -46,21 +46,31 @@ def mode() -> str:
     else:
         os.environ.pop("TRITON_INTERPRET", None)
         if os.environ.get("LESSONLIB_PEAK_MEMORY_LOG"):
-            atexit.register(_log_peak_memory, os.environ["LESSONLIB_PEAK_MEMORY_LOG"])
+            _record_peak_memory(os.environ["LESSONLIB_PEAK_MEMORY_LOG"])
     _check_triton_language(chosen)
     return chosen
 
 
-def _log_peak_memory(path: str) -> None:
-    """At exit, append this process's peak GPU memory (``torch.cuda.max_memory_allocated``) to ``path`` as one JSON
-    line: how benchmarks/NOTES.md records each notebook's peak, natively and under LESSONLIB_GPU_PROFILE."""
+def _record_peak_memory(path: str) -> None:
+    """Keep ``path`` holding this process's peak GPU memory (``torch.cuda.max_memory_allocated``) as one JSON line:
+    rewritten after every notebook cell (a kernel that nbval shuts down runs no exit handler), and at exit. How
+    benchmarks/NOTES.md records each notebook's peak, natively and under LESSONLIB_GPU_PROFILE."""
     import json
 
-    profile = gpu_profile()
-    line = {"peak_bytes": torch.cuda.max_memory_allocated(), "profile": os.environ.get("LESSONLIB_GPU_PROFILE", "native"),
-            "gpu": profile.describe() if profile else None, "budget_bytes": profile.memory_budget if profile else None}
-    with open(path, "a") as f:
-        f.write(json.dumps(line) + "\n")
+    def write(*_):
+        profile = gpu_profile()
+        line = {"peak_bytes": torch.cuda.max_memory_allocated(), "profile": os.environ.get("LESSONLIB_GPU_PROFILE") or "native",
+                "gpu": profile.describe(), "budget_bytes": profile.memory_budget}
+        Path(path).write_text(json.dumps(line) + "\n")
+
+    atexit.register(write)
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None:
+        shell.events.register("post_run_cell", write)
 
 
 def _check_triton_language(chosen: str) -> None:

@@ -12,6 +12,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lessonlib import runtime
 
 BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+GQA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "MATH")  # the ones that take enable_gqa=True
 WHY_ABSENT = {
     "FLASH_ATTENTION": "FlashAttention-2's CUDA kernels are built for sm_80 and newer",
     "CUDNN_ATTENTION": "cuDNN's fused attention needs sm_80 or newer",
@@ -44,6 +45,11 @@ def attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = 
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
     _refuse_absent(tuple(backends))
     backends = [b for b in backends if b in available_backends()]
+    if gqa and not any(b in GQA_BACKENDS for b in backends):
+        # The memory-efficient kernel refuses enable_gqa ("No available kernel", torch 2.11 on the H200): give it K
+        # and V repeated per query head, which is what GQA means.
+        group = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends], set_priority=set_priority):
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
 
