@@ -128,3 +128,20 @@ def test_a_size_over_the_budget_is_refused_before_allocation(on_gpu):
 
 def test_interpreter_has_no_profile():
     assert runtime.on_gpu() or runtime.gpu_profile() is None
+
+
+def test_bad_input_on_a_t4_is_refused_before_any_launch(on_gpu, monkeypatch):
+    """bfloat16, a forced SDPA backend the GPU lacks: each a clear error naming the reason (nothing launches: the
+    tensors here are CPU tensors, so a launch would fail differently)."""
+    from lessonlib import ops, sdpa
+
+    on_gpu.props = T4
+    x = torch.randn(3, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"no bfloat16: it needs sm_80"):
+        ops.swiglu(x, x)
+    q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match=r"No available kernel.*Tesla T4, sm_75: FLASH_ATTENTION"):
+        sdpa.attention(q, q, q, backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"))
+    ok, message = sdpa.try_backend("CUDNN_ATTENTION", q, q, q)
+    assert not ok and "cuDNN's fused attention needs sm_80" in message
+    assert sdpa.available_backends() == ("EFFICIENT_ATTENTION", "MATH")
