@@ -91,15 +91,21 @@ def roofline_explorer(ceilings: Ceilings, op="swiglu"):
 
 
 def drive(view, **values) -> dict:
-    """Set a view's controls from code (``drive(view, tokens=1)``), as a student moving them would, and return the
-    view's new result. The figure it redraws is swallowed: a headless kernel has no front end to show it in."""
+    """The view's result with its controls at ``values`` (``drive(view, tokens=1)``), computed by moving the controls
+    as a student would, then moving them back. The redraws are swallowed (a headless kernel has nowhere to show
+    them), so the view keeps showing the figure of the values its controls show again: a control and its figure
+    never disagree after "Run all"."""
     unknown = set(values) - set(view.controls)
     if unknown:
         raise ValueError(f"no control named {sorted(unknown)}; this view has {sorted(view.controls)}")
+    before = {name: view.controls[name].value for name in values}
     with _swallow_display():
         for name, value in values.items():
             view.controls[name].value = value
-    return view.result
+        result = view.result
+        for name, value in before.items():
+            view.controls[name].value = value
+    return result
 
 
 @contextlib.contextmanager
