@@ -56,3 +56,20 @@ def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):
     recorded = run_smoke("bench_cuda_graphs.py", tmp_path)
     assert recorded.select(op="gated_mlp", impl="eager")
     assert recorded.select(op="decode_step", impl="lessonlib fused step")
+
+
+def test_bench_headline_smoke_and_every_headline_has_its_recorded_twin(tmp_path):
+    recorded = run_smoke("bench_headline.py", tmp_path)
+    assert recorded.benchmark == "headline" and {r["op"] for r in recorded.records} == {
+        "swiglu", "add_rms_norm", "forward", "paged_attention"}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_headline
+
+    cases = [(op, shape, impl, "gbps") for op, shape in bench_headline.FUSION for impl in ("lessonlib", "copy (same bytes)")]
+    cases += [("forward", shape, impl, "tflops") for shape in bench_headline.FLASH for impl in ("lessonlib", "SDPA cudnn")]
+    cases += [("paged_attention", shape, impl, "graph_gbps") for shape in bench_headline.PAGED
+              for impl in ("lessonlib", "SDPA, contiguous cache")]
+    for op, shape, impl, metric in cases:
+        assert bench_headline.recorded_value(op, shape, impl, metric, per_call=False) > 0, (op, shape, impl)
+    for op, shape in bench_headline.PER_CALL:
+        assert bench_headline.recorded_value(op, shape, "lessonlib", "us", per_call=True) > 0, op

@@ -1,0 +1,154 @@
+"""The headline shapes of the three kernel benchmarks, re-measured in one short run and set beside the committed runs:
+after a change that should not touch speed (kernel configurations chosen from the GPU profile, ops registered as
+custom ops), this says whether it did.
+
+    python benchmarks/bench_headline.py --out lessonlib/results/headline-h200.json
+
+Each case is checked against float64 first, then timed with the same functions as its full benchmark, together with
+the peer its full benchmark compares it with (a copy of the same bytes, cuDNN, SDPA on a contiguous cache), so a
+ratio to the peer can be compared across runs even when the GPU's clocks differ between them. ``--smoke`` runs tiny
+sizes in any mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lessonlib import ops, reference, results, runtime, sdpa  # noqa: E402
+from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
+from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.testing import check_close, to_float64  # noqa: E402
+
+# (op, shape) of each benchmark's headline, and the committed file it is compared with.
+FUSION = [("swiglu", {"T": 8192, "I": 14336}), ("add_rms_norm", {"T": 8192, "H": 4096})]
+FLASH = [{"B": 2, "H": 32, "N": 4096, "D": 128, "causal": False}, {"B": 2, "H": 32, "N": 4096, "D": 128, "causal": True},
+         {"B": 4, "H": 16, "N": 2048, "D": 64, "causal": True}]
+PAGED = [{"B": 32, "context": 4096}, {"B": 1, "context": 32768}]
+PER_CALL = [("swiglu", {"T": 1, "I": 14336}), ("add_rms_norm", {"T": 1, "H": 4096})]
+
+
+def randn(*shape, dtype):
+    return torch.randn(*shape, device=runtime.device(), dtype=dtype)
+
+
+def fusion_cases(dtype, smoke):
+    for op, shape in FUSION:
+        t, width = (8, 256) if smoke else (shape["T"], shape.get("I") or shape["H"])
+        if op == "swiglu":
+            args = (randn(t, width, dtype=dtype), randn(t, width, dtype=dtype))
+            nbytes = 3 * t * width * dtype.itemsize
+        else:
+            args = (randn(t, width, dtype=dtype), randn(t, width, dtype=dtype), randn(width, dtype=dtype))
+            nbytes = (4 * t * width + width) * dtype.itemsize
+        fast, ref = getattr(ops, op), getattr(reference, op)
+        for name, got, exact, rounded in zip(("out", "residual"), *(_tuple(f(*a)) for f, a in (
+                (fast, args), (ref, to_float64(*args)), (ref, args)))):
+            check_close(f"{op} {name}", got, exact, rounded)
+        yield op, shape, "lessonlib", {"gbps": gbps(nbytes, time_fn(fast, *args))}
+        yield op, shape, "copy (same bytes)", {"gbps": gbps(nbytes, time_copy(nbytes))}
+
+
+def _tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def flash_cases(dtype, smoke):
+    for shape in FLASH:
+        b, h, n, d = (1, 2, 64, 32) if smoke else (shape["B"], shape["H"], shape["N"], shape["D"])
+        q, k, v = (randn(b, h, n, d, dtype=dtype) for _ in range(3))
+        causal = shape["causal"]
+        check_close("flash_attention", ops.flash_attention(q, k, v, causal=causal),
+                    reference.attention(*to_float64(q, k, v), causal=causal), reference.attention(q, k, v, causal=causal))
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        peers = [("lessonlib", lambda: ops.flash_attention(q, k, v, causal=causal))]
+        if "CUDNN_ATTENTION" in sdpa.available_backends() and runtime.on_gpu():
+            peers.append(("SDPA cudnn", lambda: sdpa.attention(q, k, v, causal, backends=("CUDNN_ATTENTION",))))
+        for impl, fn in peers:
+            yield "forward", shape, impl, {"tflops": flops / (time_fn(fn).median_us * 1e-6) / 1e12}
+
+
+def paged_cases(dtype, smoke):
+    for shape in PAGED:
+        batch, context = (2, 64) if smoke else (shape["B"], shape["context"])
+        heads, kv_heads, head_dim, block_size = (4, 2, 32, 16) if smoke else (32, 8, 128, 16)
+        blocks = context // block_size
+        k_cache = randn(batch * blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        v_cache = randn(batch * blocks, block_size, kv_heads, head_dim, dtype=dtype)
+        table = torch.randperm(batch * blocks, device=runtime.device()).to(torch.int32).reshape(batch, blocks)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=runtime.device())
+        q = randn(batch, heads, head_dim, dtype=dtype)
+        args = (q, k_cache, v_cache, table, lens)
+        check_close("paged_attention", ops.paged_attention(*args), reference.paged_attention(*to_float64(*args)),
+                    reference.paged_attention(*args))
+        k = k_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+        v = v_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
+        nbytes = 2 * k.numel() * k.element_size()
+        for impl, fn in (("lessonlib", lambda: ops.paged_attention(*args, validate=False)),
+                         ("SDPA, contiguous cache", lambda: sdpa.attention(q[:, :, None], k, v))):
+            timing = time_graph(fn) if runtime.on_gpu() else time_fn(fn)
+            yield "paged_attention", shape, impl, {"graph_gbps": gbps(nbytes, timing)}
+
+
+def per_call_cases(dtype, smoke):
+    """Microseconds per call at T=1, back to back: the launcher's host time (issue 12's overhead budget)."""
+    for op, shape in PER_CALL:
+        width = 64 if smoke else shape.get("I") or shape["H"]
+        args = ((randn(1, width, dtype=dtype), randn(1, width, dtype=dtype)) if op == "swiglu" else
+                (randn(1, width, dtype=dtype), randn(1, width, dtype=dtype), randn(width, dtype=dtype)))
+        yield op, shape, "lessonlib", {"us_per_call": time_fn(getattr(ops, op), *args).median_us}
+
+
+def recorded_value(op, shape, impl, metric, per_call):
+    """The same case in the committed full runs, or None."""
+    if per_call:  # the full run's per-call regime ("per call, back to back", time_fn medians)
+        found = results.load("fusion-h200").select(op=op, impl=impl, regime="per call, back to back", **shape)
+        return found[0]["us"] if len(found) == 1 else None
+    name = {"swiglu": "fusion-h200", "add_rms_norm": "fusion-h200", "forward": "flash-attention-h200",
+            "paged_attention": "paged-attention-h200"}[op]
+    where = dict(op="copy") if impl == "copy (same bytes)" else dict(op=op, impl=impl)
+    found = [r for r in results.load(name).select(**where, **shape) if "regime" not in r and not r.get("sweep")]
+    if op == "paged_attention":
+        found = [r for r in found if r["shape"].get("block_size") == 16 and r["shape"].get("D") == 128]
+    return found[0].get(metric) if len(found) == 1 else None
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
+    args = parser.parse_args()
+    if not args.smoke and not runtime.on_gpu():
+        sys.exit("bench_headline.py measures a GPU; without one, run it with --smoke")
+    dtype = runtime.dtype()
+    warm_up_gpu()
+    records = []
+    for cases, per_call in ((fusion_cases, False), (flash_cases, False), (paged_cases, False), (per_call_cases, True)):
+        for op, shape, impl, measured in cases(dtype, args.smoke):
+            (metric, value), = measured.items()
+            before = None if args.smoke else recorded_value(op, shape, impl, metric, per_call)
+            records.append({"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
+                            metric: round(value, 2), "recorded": before,
+                            "now / recorded": round(value / before, 3) if before else None})
+            print(f"{op:16s} {impl:24s} {str(shape):60s} {metric} {value:10.2f}"
+                  + (f"  recorded {before:10.2f}  ({value / before:.2f}x)" if before else ""), flush=True)
+    profile = runtime.gpu_profile()
+    Results(
+        benchmark="headline",
+        command="python benchmarks/bench_headline.py " + " ".join(sys.argv[1:]),
+        environment={**environment(), "profile": profile.describe() if profile else "interpreter"},
+        ceilings={},
+        records=records,
+        notes={"compared with": "the committed fusion-h200, flash-attention-h200 and paged-attention-h200 runs "
+                                "(lessonlib's records and the same-run peers)"},
+    ).save(args.out)
+    print("wrote", args.out)
+
+
+if __name__ == "__main__":
+    main()
