@@ -95,6 +95,15 @@ def paged_cases(dtype, smoke):
             yield "paged_attention", shape, impl, {"graph_gbps": gbps(nbytes, timing)}
 
 
+def read_cases(dtype, smoke):
+    """Reading alone against copying (read + write) the same bytes: decode attention only reads, so its bar is the
+    read rate, which can sit above the copy ceiling that lesson 01 uses for read + write kernels."""
+    nbytes = 2**20 if smoke else 2**31
+    x = randn(nbytes // dtype.itemsize, dtype=dtype)
+    yield "read", {"bytes": nbytes}, "sum (reads every byte once)", {"gbps": gbps(nbytes, time_fn(torch.sum, x))}
+    yield "read", {"bytes": nbytes}, "copy (reads and writes half each)", {"gbps": gbps(nbytes, time_copy(nbytes))}
+
+
 def per_call_cases(dtype, smoke):
     """Microseconds per call at T=1, back to back: the launcher's host time (issue 12's overhead budget)."""
     for op, shape in PER_CALL:
@@ -106,6 +115,8 @@ def per_call_cases(dtype, smoke):
 
 def recorded_value(op, shape, impl, metric, per_call):
     """The same case in the committed full runs, or None."""
+    if op == "read":
+        return None  # measured first here
     if per_call:  # the full run's per-call regime ("per call, back to back", time_fn medians)
         found = results.load("fusion-h200").select(op=op, impl=impl, regime="per call, back to back", **shape)
         return found[0]["us"] if len(found) == 1 else None
@@ -128,7 +139,9 @@ def main():
     dtype = runtime.dtype()
     warm_up_gpu()
     records = []
-    for cases, per_call in ((fusion_cases, False), (flash_cases, False), (paged_cases, False), (per_call_cases, True)):
+    cases_per_benchmark = ((fusion_cases, False), (flash_cases, False), (paged_cases, False), (read_cases, False),
+                           (per_call_cases, True))
+    for cases, per_call in cases_per_benchmark:
         for op, shape, impl, measured in cases(dtype, args.smoke):
             (metric, value), = measured.items()
             before = None if args.smoke else recorded_value(op, shape, impl, metric, per_call)

@@ -20,6 +20,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from lessonlib import ops, reference, runtime  # noqa: E402
+from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
 from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
@@ -43,33 +44,6 @@ def gather(cache, table, context):
     b, n = table.shape
     pages = cache[table.long().reshape(-1)].reshape(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
     return pages[:, :context].transpose(1, 2)
-
-
-def flex_paged(q, k_cache, v_cache, table, lens):
-    """PyTorch's FlexAttention through its own paged-attention helper (torch.nn.attention.experimental), on the same
-    pages: a compiled flex_attention call whose block mask maps logical KV blocks to physical pages. Returns a
-    function of no arguments (the set-up — the cache relaid as flex wants it, the converted block mask — is not
-    timed)."""
-    from torch.nn.attention.experimental._paged_attention import PagedAttention
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    batch, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, _ = k_cache.shape
-    max_blocks = table.shape[1]
-    # Flex's paged cache is one sequence of pages per KV head: (1, Hkv, num_blocks * block_size, D).
-    k_flex = k_cache.permute(2, 0, 1, 3).reshape(1, kv_heads, num_blocks * block_size, head_dim)
-    v_flex = v_cache.permute(2, 0, 1, 3).reshape(1, kv_heads, num_blocks * block_size, head_dim)
-    paged = PagedAttention(num_blocks, block_size, batch, device=q.device)
-    paged.page_table[:, :max_blocks] = table.long()
-    rows = torch.arange(batch, device=q.device)[:, None]
-    paged.physical_to_logical[rows, table.long()] = torch.arange(max_blocks, device=q.device)[None, :].expand(batch, -1)
-    lens_long = lens.long()
-    logical = create_block_mask(lambda b, h, q_idx, kv_idx: kv_idx < lens_long[b], batch, None, 1,
-                                max_blocks * block_size, device=q.device, BLOCK_SIZE=block_size)
-    block_mask = paged.convert_logical_block_mask(logical, kv_len=lens_long)
-    compiled = torch.compile(flex_attention, fullgraph=True)
-    q4 = q[:, :, None]
-    return lambda: compiled(q4, k_flex, v_flex, block_mask=block_mask, enable_gqa=True)[:, :, 0]
 
 
 def sdpa(q, k, v):
@@ -120,7 +94,7 @@ def main():
         measure("paged_attention", "gather pages, then SDPA", shape,
                 lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context)), nbytes)
         try:
-            flex = flex_paged(q, k_cache, v_cache, table, lens)
+            flex = flex_paged_attention(q, k_cache, v_cache, table, lens)
             check_close("FlexAttention paged", flex(), truth, low)
             measure("paged_attention", "FlexAttention paged", shape, flex, nbytes)
         except Exception as error:  # a peer that does not run here is recorded with its error, not hidden

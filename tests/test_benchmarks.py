@@ -61,7 +61,7 @@ def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):
 def test_bench_headline_smoke_and_every_headline_has_its_recorded_twin(tmp_path):
     recorded = run_smoke("bench_headline.py", tmp_path)
     assert recorded.benchmark == "headline" and {r["op"] for r in recorded.records} == {
-        "swiglu", "add_rms_norm", "forward", "paged_attention"}
+        "swiglu", "add_rms_norm", "forward", "paged_attention", "read"}
     sys.path.insert(0, str(ROOT / "benchmarks"))
     import bench_headline
 
