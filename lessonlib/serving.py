@@ -154,7 +154,7 @@ def scheduler(llm):
     """The engine's scheduler (in-process engines only): its ``kv_cache_manager`` holds the block tables."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     if core is None:
-        raise RuntimeError("the engine runs in another process; start it with start_engine() to look inside")
+        raise RuntimeError("the engine runs in another process; start it with engine() to look inside")
     return core.scheduler
 
 
