@@ -78,7 +78,8 @@ def test_make_relink_repoints_a_fork(tmp_path):
     for name in ("pyproject.toml", "README.md", "Makefile", "requirements-vllm-cpu.txt"):
         shutil.copy(ROOT / name, tmp_path / name)
     for name in ("tools", "notebooks"):
-        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+        shutil.copytree(ROOT / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
     fork = "https://github.com/me/my-fork"
     venv = Path(sys.executable).parent.parent
     run = subprocess.run(["make", "-s", "relink", f"REPO={fork}", f"VENV={venv}"], cwd=tmp_path, capture_output=True,

@@ -112,7 +112,8 @@ if importlib.util.find_spec("lessonlib") is None:
     importlib.invalidate_caches()
     print("lessonlib $version installed from $repository@$tag")
 else:
-    print(f"lessonlib found at {importlib.util.find_spec('lessonlib').submodule_search_locations[0]}, nothing installed")
+    found = importlib.util.find_spec("lessonlib").submodule_search_locations[0]
+    print(f"lessonlib found at {found}, nothing installed")
 $extra
 import lessonlib
 
@@ -163,7 +164,8 @@ def render_notebook(path: Path, course: Course) -> str:
     return nbformat.writes(notebook) + "\n"
 
 
-TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$", re.M)
+TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$",
+                       re.M)
 TABLE_HEADER = "| # | Notebook | Colab | Binder | Student copy (Colab) |"
 
 
