@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 VLLM   ?= auto
 BIN    := $(VENV)/bin
 
-.PHONY: setup lab test student-notebooks
+.PHONY: setup lab test student-notebooks relink
 
 setup:
 	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)" "$(VLLM)"
@@ -25,3 +25,8 @@ test:
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py
+
+# The notebooks' set-up cells and badges and README's lesson table, written from pyproject.toml (tools/course_links.py).
+# A fork re-points them all: make relink REPO=https://github.com/me/fork
+relink:
+	$(BIN)/python tools/course_links.py $(if $(REPO),--repo "$(REPO)")

@@ -7,16 +7,34 @@
   model, recorded GPU runs.
 * ``lessonlib.plots``, ``lessonlib.widgets``: figures and interactive views for the notebooks.
 * ``lessonlib.exercises``: checkers for the exercises.
+* ``lessonlib.install``: what lesson 06's set-up cell installs (imports no torch).
 
-Importing ``lessonlib`` defines no kernel, so it never locks the wrong runtime mode.
+Importing ``lessonlib`` imports nothing else: no Triton, so it never locks the wrong runtime mode, and no torch, so
+lesson 06's set-up cell can install vLLM (which replaces torch) through ``lessonlib.install`` before torch is loaded.
+``describe``, ``device``, ``gpu_only``, ``mode`` and ``pick`` come from :mod:`lessonlib.runtime` on first use, and
+``lessonlib.<module>`` imports that module on first use.
 """
 
+import importlib
 import inspect
 import sys
 
-from lessonlib.runtime import describe, device, gpu_only, mode, pick
-
+__version__ = "0.2.0"  # = pyproject.toml's [project] version (tests/test_course_links.py checks)
 __all__ = ["describe", "device", "gpu_only", "mode", "pick", "source"]
+_FROM_RUNTIME = {"describe", "device", "gpu_only", "mode", "pick"}
+
+
+def __getattr__(name: str):
+    if name in _FROM_RUNTIME:
+        from lessonlib import runtime
+
+        return getattr(runtime, name)
+    try:
+        return importlib.import_module(f"{__name__}.{name}")
+    except ModuleNotFoundError as error:
+        if error.name != f"{__name__}.{name}":
+            raise  # the module exists and failed to import something else: say that, not "no attribute"
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def source(obj) -> str:
@@ -24,4 +42,3 @@ def source(obj) -> str:
     Notebooks print this rather than copying library code."""
     module = sys.modules[obj.__module__] if not inspect.ismodule(obj) else obj
     return inspect.getsource(module)
-__version__ = "0.1.0"

@@ -117,7 +117,7 @@ def check_blocks_needed(fn) -> None:
 
     from vllm import SamplingParams
 
-    llm = serving.shared_engine()
+    llm = serving.engine()
     block_size = llm.llm_engine.vllm_config.cache_config.block_size
     rng = random.Random()
     cases = [(block_size, 1), (block_size, 2), (block_size - 1, 2), (1, 1), (1, block_size)]

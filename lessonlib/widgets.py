@@ -102,6 +102,10 @@ def drive(view, **values) -> dict:
     with _swallow_display():
         for name, value in values.items():
             view.controls[name].value = value
+        if view.result is None:
+            # ipywidgets 7 (Colab's) first runs the function when the view is displayed, not when it is built, and a
+            # control set to the value it already has runs nothing: run it once here. (Every view returns a dict.)
+            view.update()
         result = view.result
         for name, value in before.items():
             view.controls[name].value = value

@@ -21,15 +21,15 @@ if serving.vllm_build() is None:
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def llm():
-    return serving.shared_engine()
+    return serving.engine()  # the running engine when its settings match, else a fresh one (the other shut down)
 
 
 def test_greedy_decoding_matches_transformers_token_for_token():
     """In float32, where rounding is far below the gap between the best and second-best token. (In float16 two
     correct implementations round differently and greedy decoding can part at a near-tie: notebook 06 shows one.)"""
-    llm = serving.start_engine(dtype="float32")
+    llm = serving.engine(dtype="float32")
     prompts = serving.SEED_PROMPTS + ["A paged KV cache stores keys and values in fixed-size blocks."]
     model_path = llm.llm_engine.vllm_config.model_config.model
     ours = serving.vllm_greedy(llm, prompts, max_tokens=48)
@@ -37,6 +37,22 @@ def test_greedy_decoding_matches_transformers_token_for_token():
     for prompt, a, b in zip(prompts, ours, theirs):
         assert len(a) == 48
         assert serving.first_difference(a, b) is None, f"{prompt!r}: vLLM {a} vs transformers {b}"
+
+
+def test_engine_keeps_one_engine_and_frees_the_one_it_replaces():
+    """On a GPU vLLM refuses a second engine while the first holds its memory share, so engine() shuts the first
+    down before starting another. Its model must really be freed (a weak reference to it dies), not just forgotten.
+    Runs after the float32 test above, so that the default engine started here serves the tests below."""
+    import weakref
+
+    first = serving.engine(dtype="float32")
+    assert serving.engine(dtype="float32") is first
+    [model] = first.collective_rpc(lambda worker: weakref.ref(worker.model_runner.model))
+    assert model() is not None
+    second = serving.engine()
+    assert second is not first and first.llm_engine is None
+    assert model() is None, "the replaced engine's model is still alive"
+    assert len(serving.vllm_greedy(second, serving.SEED_PROMPTS[:1], max_tokens=3)[0]) == 3
 
 
 def test_backends_are_reported_as_run(llm):

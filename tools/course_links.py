@@ -1,0 +1,232 @@
+"""The course repository's URL lives in one place, pyproject.toml's ``[project.urls] Repository``; this tool writes
+everything that names it:
+
+* each notebook's set-up cell (its first code cell), which installs lessonlib from the repository at the release
+  tag ``v<version>`` (``[project] version``) when lessonlib is missing;
+* the Colab and Binder badges on the first line of each notebook's first markdown cell, in the instructor notebooks
+  and in the student copies (a student copy's badges open the student copy; ``make_student_notebooks.py`` asks
+  :func:`badges` for them);
+* README.md's lesson table (its Colab, Binder and student-copy columns).
+
+Badges open the same tag the set-up cell installs, so a notebook always runs with the lessonlib it was written for.
+
+    python tools/course_links.py                 # rewrite all of the above from pyproject.toml
+    python tools/course_links.py --check         # exit 1 if any of it disagrees with pyproject.toml
+    python tools/course_links.py --repo URL      # re-point the course (e.g. a fork): update pyproject.toml, rewrite
+
+``make relink`` and ``make relink REPO=https://github.com/me/fork`` run it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from string import Template
+
+import nbformat
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
+    import pip._vendor.tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+PYPROJECT = ROOT / "pyproject.toml"
+README = ROOT / "README.md"
+NOTEBOOKS = ROOT / "notebooks"
+GITHUB = re.compile(r"https://github\.com/(?P<owner>[\w.-]+)/(?P<name>[\w.-]+?)(?:\.git)?/?$")
+COLAB_BADGE = "https://colab.research.google.com/assets/colab-badge.svg"
+BINDER_BADGE = "https://mybinder.org/badge_logo.svg"
+BADGE_LINE = re.compile(r"^\[!\[Open In Colab\]\(.*$")
+
+
+@dataclass(frozen=True)
+class Course:
+    repository: str  # https://github.com/OWNER/NAME
+    version: str  # lessonlib's version; its release is tagged v<version>
+
+    @property
+    def slug(self) -> str:
+        match = GITHUB.match(self.repository)
+        return f"{match['owner']}/{match['name']}"
+
+    @property
+    def tag(self) -> str:
+        return f"v{self.version}"
+
+    def colab(self, path: str) -> str:
+        return f"https://colab.research.google.com/github/{self.slug}/blob/{self.tag}/{path}"
+
+    def binder(self, path: str) -> str:
+        return f"https://mybinder.org/v2/gh/{self.slug}/{self.tag}?urlpath=lab/tree/{path}"
+
+
+def check_repository(url: str) -> str:
+    """Colab opens notebooks from GitHub only (``colab.research.google.com/github/...``), Binder's ``gh`` too."""
+    if not GITHUB.match(url):
+        raise ValueError(f"{url!r} is not a GitHub repository URL (https://github.com/OWNER/NAME): Colab and "
+                         "Binder open notebooks from GitHub")
+    return url.rstrip("/").removesuffix(".git")
+
+
+def course(pyproject: Path = PYPROJECT) -> Course:
+    project = tomllib.loads(pyproject.read_text())["project"]
+    return Course(check_repository(project["urls"]["Repository"]), project["version"])
+
+
+def set_repository(url: str, pyproject: Path = PYPROJECT) -> None:
+    """Rewrite ``Repository = "..."`` in pyproject.toml's [project.urls] (the rest of the file is left as it is)."""
+    url = check_repository(url)
+    text = pyproject.read_text()
+    table = re.search(r"^\[project\.urls\]\n(?:(?!\[).*\n)*", text, re.M)
+    line = re.compile(r'^Repository = ".*"$', re.M)
+    if table is None or not line.search(table.group()):
+        raise ValueError(f"{pyproject}: no `Repository = \"...\"` line in [project.urls]")
+    start, end = table.span()
+    pyproject.write_text(text[:start] + line.sub(f'Repository = "{url}"', table.group()) + text[end:])
+
+
+def badges(course: Course, path: str) -> str:
+    """The badge line that opens notebook ``path`` (relative to the repository root) on Colab and on Binder."""
+    return (f"[![Open In Colab]({COLAB_BADGE})]({course.colab(path)}) "
+            f"[![Binder]({BINDER_BADGE})]({course.binder(path)})")
+
+
+# The set-up cell. `$`-placeholders are filled by setup_cell(); the cell itself has no `$`.
+SETUP = Template('''\
+# Set-up. Written by tools/course_links.py from pyproject.toml (`make relink`): edit there, not here.
+# Where lessonlib is missing (a fresh Colab runtime), pip installs the course's release $tag. It keeps Colab's torch
+# (lessonlib leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and
+# after `make setup`, lessonlib is already installed and nothing is.
+import importlib
+import importlib.util
+import subprocess
+import sys
+
+if importlib.util.find_spec("lessonlib") is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                    "$requirement"], check=True)
+    importlib.invalidate_caches()
+    print("lessonlib $version installed from $repository@$tag")
+else:
+    found = importlib.util.find_spec("lessonlib").submodule_search_locations[0]
+    print(f"lessonlib found at {found}, nothing installed")
+$extra
+import lessonlib
+
+print(lessonlib.describe())  # decides the mode (GPU, or Triton's interpreter on CPU) before any kernel is defined''')
+
+# Lesson 06 also needs vLLM, installed before anything imports torch (see lessonlib/install.py).
+VLLM_SETUP = '''
+# Lesson 06 on a GPU: vLLM, before torch is imported (its install may replace Colab's torch). lessonlib.install
+# imports no torch; it prints what it did, and stops with RestartRuntime if torch was replaced after being loaded.
+from lessonlib import install
+
+install.set_up_vllm()
+'''
+NEEDS_VLLM = {"06_vllm.ipynb"}
+
+
+def setup_cell(course: Course, notebook_name: str) -> str:
+    return SETUP.substitute(
+        requirement=f"lessonlib @ git+{course.repository}@{course.tag}", repository=course.repository,
+        tag=course.tag, version=course.version, extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "",
+    )
+
+
+def with_badges(notebook: nbformat.NotebookNode, course: Course, path: str) -> None:
+    """Put the badge line for ``path`` first in ``notebook``'s first markdown cell (replacing one already there)."""
+    markdown = next(cell for cell in notebook.cells if cell.cell_type == "markdown")
+    lines = markdown.source.split("\n")
+    if BADGE_LINE.match(lines[0]):
+        lines = lines[2:] if len(lines) > 1 and lines[1] == "" else lines[1:]
+    markdown.source = "\n".join([badges(course, path), ""] + lines)
+
+
+def relink_notebook(notebook: nbformat.NotebookNode, course: Course, path: str) -> nbformat.NotebookNode:
+    """``notebook`` with its badge line (first markdown cell) and set-up cell (first code cell) from ``course``."""
+    notebook = nbformat.from_dict(notebook)
+    with_badges(notebook, course, path)
+    code = next(cell for cell in notebook.cells if cell.cell_type == "code")
+    code.source = setup_cell(course, Path(path).name)
+    return notebook
+
+
+def instructor_notebooks() -> list[Path]:
+    return sorted(p for p in NOTEBOOKS.glob("*.ipynb") if re.match(r"\d\d_", p.name))
+
+
+def render_notebook(path: Path, course: Course) -> str:
+    notebook = relink_notebook(nbformat.read(path, as_version=4), course, path.relative_to(ROOT).as_posix())
+    return nbformat.writes(notebook) + "\n"
+
+
+TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$",
+                       re.M)
+TABLE_HEADER = "| # | Notebook | Colab | Binder | Student copy (Colab) |"
+
+
+def render_readme(text: str, course: Course) -> str:
+    """README.md with every lesson row's Colab, Binder and student-copy cells written from ``course``."""
+    def row(match: re.Match) -> str:
+        path = match["path"]
+        student = f"notebooks/student/{Path(path).name}"
+        return (f"| {match['number']} | {match['title']} | [![Open In Colab]({COLAB_BADGE})]({course.colab(path)}) | "
+                f"[![Binder]({BINDER_BADGE})]({course.binder(path)}) | "
+                f"[![Open In Colab]({COLAB_BADGE})]({course.colab(student)}) |")
+
+    rows = {m["path"] for m in TABLE_ROW.finditer(text)}
+    missing = [p.relative_to(ROOT).as_posix() for p in instructor_notebooks()]
+    missing = [p for p in missing if p not in rows]
+    if missing:
+        raise ValueError(f"README.md's lesson table has no row for {missing}: add `| NN | [title](path) |` rows")
+    text = re.sub(r"^\| # \| Notebook \|.*$", TABLE_HEADER, text, count=1, flags=re.M)
+    return TABLE_ROW.sub(row, text)
+
+
+def expected_files(course: Course) -> dict[Path, str]:
+    """Every file this tool writes, with the text it should have: notebooks, student copies, README."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import make_student_notebooks  # imports this module for badges(); imported here to keep the cycle lazy
+
+    files = {}
+    for path in instructor_notebooks():
+        files[path] = render_notebook(path, course)
+        student = make_student_notebooks.STUDENT_DIR / path.name
+        files[student] = make_student_notebooks.render_text(files[path], student.relative_to(ROOT).as_posix(), course)
+    files[README] = render_readme(README.read_text(), course)
+    return files
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="fail if anything disagrees with pyproject.toml")
+    parser.add_argument("--repo", help="point the course at this GitHub repository (updates pyproject.toml)")
+    args = parser.parse_args(argv)
+    if args.check and args.repo:
+        parser.error("--check and --repo do not go together")
+    if args.repo:
+        set_repository(args.repo)
+    current = course()
+    stale = []
+    for path, text in expected_files(current).items():
+        if path.exists() and path.read_text() == text:
+            continue
+        if args.check:
+            stale.append(path.relative_to(ROOT).as_posix())
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print(f"out of date with pyproject.toml ({current.repository}, {current.tag}); run `make relink`:",
+              *stale, sep="\n  ")
+        return 1
+    print(f"links point at {current.repository} @ {current.tag}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
