@@ -174,3 +174,14 @@ def test_a_llama_checkpoint_matches_transformers(tmp_path_factory):
     prompts = ["Hello, my name is", "A paged KV cache stores keys and values in fixed-size blocks."]
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert_same_tokens(outs, transformers_greedy(path, prompts, 3), prompts)
+
+
+def test_bench_engine_smoke_writes_a_results_file(tmp_path):
+    from tests.test_benchmarks import run_smoke
+
+    recorded = run_smoke("bench_engine.py", tmp_path)
+    assert recorded.benchmark == "engine" and "--smoke" in recorded.command
+    assert recorded.select(op="generate", impl="transformers generate (dynamic cache, eager)")
+    assert recorded.select(op="generate", impl="lessonlib engine, eager")
+    check = recorded.notes["checks"]["lessonlib engine, eager"]
+    assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
