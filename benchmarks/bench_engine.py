@@ -153,7 +153,9 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
     replayed from its own CUDA graph, and of the whole step. K/V content does not matter for time: the blocks are
     allocated, not filled."""
     model, runner = llm.model, llm.runner
-    seqs = [Sequence([1] * context, SamplingParams()) for _ in range(batch)]
+    # Random tokens: sequences must not share prefix blocks (a shared block would be read from L2, not HBM).
+    seqs = [Sequence(torch.randint(0, model.config.vocab_size, (context,)).tolist(), SamplingParams())
+            for _ in range(batch)]
     for seq in seqs:
         llm.block_manager.allocate(seq)
     try:
@@ -185,6 +187,7 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
     finally:
         for seq in seqs:
             llm.block_manager.free(seq)
+        llm.block_manager.forget_prefix_cache()  # those blocks were registered but never filled
 
 
 def main():
@@ -287,12 +290,13 @@ def run(args, folder, smoke, gpu, dtype, started):
             step_bytes = weight_bytes + kv_bytes
             host_us = next(r["decode_step_us"] for r in records if r["op"] == "engine_steps"
                            and r["impl"] == "lessonlib engine, CUDA graphs" and r["shape"]["batch"] == batch) \
-                - parts["whole step"] if llm.cuda_graphs else None
+                - parts["whole step"] - parts["sampling (greedy)"] if llm.cuda_graphs else None
             for part, us in parts.items():
                 record("decode_step_part", "lessonlib engine", shape, part=part, us=round(us, 2))
             if host_us is not None:
                 record("decode_step_part", "lessonlib engine", shape, part="host", us=round(host_us, 2),
-                       note="engine decode step (wall, CUDA graphs) minus the whole step's GPU time")
+                       note="engine decode step (wall, CUDA graphs, mean over the timed run) minus the GPU time of the whole "
+                       "step and of sampling: scheduling, input preparation, launches, the sync for the tokens")
             record("decode_step_limit", "bytes read at copy bandwidth", shape, us=round(step_bytes / bandwidth * 1e6, 2),
                    bytes=step_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
         results = Results("engine", " ".join(["python", *sys.argv]), environment(),

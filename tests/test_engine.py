@@ -18,6 +18,9 @@ PREFIX = ("Attention reads every key and value of a sequence for every query. Th
           "square of the sequence length, so")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 DTYPE = runtime.dtype(cpu=torch.float32)  # float32 in the interpreter; the GPU runs 16-bit (see test docstring)
+# A dtype the engine must refuse here: bfloat16 in the interpreter (and below sm_80), float32 on a GPU (flash_attention
+# would run it as TF32).
+UNSUPPORTED = torch.bfloat16 if torch.bfloat16 not in runtime.supported_dtypes() else torch.float32
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +97,7 @@ def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp
         (lambda: llm.generate([[5, 10**6]]), ValueError, "out of range"),
         (lambda: llm.generate(["fine"], "greedy"), TypeError, "SamplingParams"),
         (lambda: SamplingParams(top_p=0.0), ValueError, "top_p"),
-        (lambda: LLM(model=str(path), dtype=torch.bfloat16), TypeError, "bfloat16"),
+        (lambda: LLM(model=str(path), dtype=UNSUPPORTED), TypeError, str(UNSUPPORTED).removeprefix("torch.")),
         (lambda: LLM(model=str(path), block_size=8), ValueError, "block_size"),
         (lambda: LLM(model=str(tmp_path)), FileNotFoundError, "config.json"),
     ]:
@@ -185,3 +188,15 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     assert recorded.select(op="generate", impl="lessonlib engine, eager")
     check = recorded.notes["checks"]["lessonlib engine, eager"]
     assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_tokens(path):
+    graphs = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256)
+    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256, enforce_eager=True)
+    assert graphs.cuda_graphs and not eager.cuda_graphs
+    prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for a, b in zip(graphs.generate(prompts, params), eager.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert graphs.num_blocks_in_use() == 0
