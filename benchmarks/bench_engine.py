@@ -263,11 +263,17 @@ def run(args, folder, smoke, gpu, dtype, started):
         shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
         for name, run in peers.items():
             warm_start = time.perf_counter()
-            run(random_prompts(batch, prompt_len, config.vocab_size, generator))  # compiles / captures at this shape
-            warm_up_s = time.perf_counter() - warm_start
-            _, seconds = run(random_prompts(batch, prompt_len, config.vocab_size, generator))
+            try:
+                run(random_prompts(batch, prompt_len, config.vocab_size, generator))  # compiles at this shape
+                warm_up_s = time.perf_counter() - warm_start
+                _, seconds = run(random_prompts(batch, prompt_len, config.vocab_size, generator))
+            except Exception as e:  # a peer that fails here (e.g. a compile error) is recorded, not fatal
+                notes.setdefault("failures", []).append({"impl": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]})
+                print(f"FAILED {name} at batch {batch}: {type(e).__name__}: {e}", flush=True)
+                continue
             record("generate", name, shape, seconds=round(seconds, 4),
-                   tokens_per_s=round(batch * new_tokens / seconds, 1), warm_up_s=round(warm_up_s, 1))
+                   tokens_per_s=round(batch * new_tokens / seconds, 1), warm_up_s=round(warm_up_s, 1),
+                   elapsed_s=round(time.perf_counter() - started, 1))
         # The engine's own step log of the timed run: decode steps' mean wall time.
         for name, llm in engines.items():
             decode = [s.seconds for s in llm.steps if s.kind == "decode"]

@@ -200,3 +200,24 @@ def test_cuda_graphs_give_the_eager_tokens(path):
     for a, b in zip(graphs.generate(prompts, params), eager.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert graphs.num_blocks_in_use() == 0
+
+
+def test_exercise_checkers_pass_the_engine_and_catch_wrong_rules(capsys):
+    from lessonlib.exercises import ExerciseFailed, check_can_admit, check_top_p_filter
+
+    check_can_admit(can_admit)
+    check_top_p_filter(top_p_filter)
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match="shared"):  # forgets that blocks in use by others cost nothing
+        check_can_admit(lambda **a: a["prompt_blocks"] <= a["free_blocks"] and a["running"] < a["max_num_seqs"])
+    with pytest.raises(ExerciseFailed, match="top_p_filter"):  # keeps one token too many at the boundary
+        check_top_p_filter(lambda p, t: top_p_filter(p, torch.clamp(t + 1e-3, max=1.0)))
+
+
+def test_simulated_arrivals_never_overfill_the_pool():
+    from lessonlib.engine.lesson import simulate
+
+    records = simulate(arrival_rate=0.4, block_size=16, num_blocks=64, steps=300, seed=random.randrange(1000))
+    assert max(r.blocks_used for r in records) <= 64
+    assert records[-1].preemptions > 0 and max(r.blocks_reserved for r in records) > 64  # the point of paging
+    assert records[-1].cached_tokens > 0
