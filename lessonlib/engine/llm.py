@@ -25,7 +25,7 @@ from lessonlib.engine.sampler import Sampler
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
 
-CPU_POOL_BYTES = 256 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
+CPU_POOL_BYTES = 64 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
 GPU_POOL_SHARE = 0.8  # default KV pool on a GPU: this share of the memory budget left after the weights
 
 
