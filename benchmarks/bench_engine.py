@@ -278,8 +278,9 @@ def run(args, folder, smoke, gpu, dtype, started):
         for name, llm in engines.items():
             decode = [s.seconds for s in llm.steps if s.kind == "decode"]
             prefill = [s.seconds for s in llm.steps if s.kind == "prefill"]
-            record("engine_steps", name, shape, decode_step_us=round(1e6 * sum(decode) / len(decode), 1),
-                   prefill_us=round(1e6 * sum(prefill), 1), decode_steps=len(decode))
+            if decode and not any(f["impl"] == name and f["batch"] == batch for f in notes.get("failures", [])):
+                record("engine_steps", name, shape, decode_step_us=round(1e6 * sum(decode) / len(decode), 1),
+                       prefill_us=round(1e6 * sum(prefill), 1), decode_steps=len(decode))
 
     # --- one decode step, part by part, against its bytes-read limit -----------------------------------------------
     if gpu:
@@ -294,9 +295,9 @@ def run(args, folder, smoke, gpu, dtype, started):
             parts = step_breakdown(llm, batch, context)
             kv_bytes = 2 * batch * context * config.num_layers * config.num_kv_heads * config.head_dim * element
             step_bytes = weight_bytes + kv_bytes
-            host_us = next(r["decode_step_us"] for r in records if r["op"] == "engine_steps"
-                           and r["impl"] == "lessonlib engine, CUDA graphs" and r["shape"]["batch"] == batch) \
-                - parts["whole step"] - parts["sampling (greedy)"] if llm.cuda_graphs else None
+            step_us = next((r["decode_step_us"] for r in records if r["op"] == "engine_steps"
+                            and r["impl"] == "lessonlib engine, CUDA graphs" and r["shape"]["batch"] == batch), None)
+            host_us = step_us - parts["whole step"] - parts["sampling (greedy)"] if step_us is not None else None
             for part, us in parts.items():
                 record("decode_step_part", "lessonlib engine", shape, part=part, us=round(us, 2))
             if host_us is not None:
@@ -310,7 +311,7 @@ def run(args, folder, smoke, gpu, dtype, started):
                            "matmul_tflops": round(ceilings.matmul_tflops, 1)}, records, notes)
     else:
         results = Results("engine", " ".join(["python", *sys.argv]), environment(), {}, records, notes)
-    notes["vllm"] = "not measured here: the benchmark machine has no vLLM (notebook 07 measures it where it runs)"
+    notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
     notes["seconds"] = round(time.perf_counter() - started, 1)
     print("wrote", results.save(args.out), f"in {notes['seconds']} s")
 
