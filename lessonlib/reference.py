@@ -210,3 +210,27 @@ def online_softmax_trace(scores: torch.Tensor, values: torch.Tensor, block: int)
         steps.append({"keys_seen": min(start + block, scores.shape[0]), "m": m, "l": l, "correction": correction,
                       "out": acc / l})
     return steps
+
+
+def paged_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, query_starts: torch.Tensor, sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Prefill attention over a paged KV cache: each sequence's new tokens attend, causally, to everything before
+    them, a cached prefix included. The plain way: gather each sequence's pages, then :func:`attention` with the
+    end-aligned causal mask (the new tokens are the sequence's last ones).
+
+    q: (T, H, D), the new tokens of B sequences packed one after another: sequence b's are rows
+    ``query_starts[b]`` to ``query_starts[b + 1] - 1`` (query_starts: (B + 1,) int32, starting at 0); their K and V
+    are already in the cache. k_cache, v_cache: (num_blocks, block_size, Hkv, D); block_table: (B, max_blocks) int32;
+    seq_lens: (B,) int32, each sequence's length including its new tokens. Returns (T, H, D).
+    """
+    block_size, kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty_like(q)
+    for b in range(block_table.shape[0]):
+        n, start, end = int(seq_lens[b]), int(query_starts[b]), int(query_starts[b + 1])
+        blocks = block_table[b, : -(-n // block_size)].long()
+        k = k_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]  # (1, Hkv, n, D)
+        v = v_cache[blocks].reshape(-1, kv_heads, head_dim)[:n].transpose(0, 1)[None]
+        out[start:end] = attention(q[start:end].transpose(0, 1)[None], k, v, causal=True, sm_scale=sm_scale)[0].transpose(0, 1)
+    return out

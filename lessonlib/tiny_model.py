@@ -1,8 +1,9 @@
-"""A tiny Qwen2-architecture language model, built here with nothing downloaded: a byte-level BPE tokenizer trained
+"""A tiny Qwen2-architecture (or Llama-architecture) language model, built here with nothing downloaded: a byte-level BPE tokenizer trained
 on a few paragraphs of this course, and random weights saved as safetensors. It loads in vLLM and in Hugging Face
 transformers alike, which is all lesson 06 needs: the text it writes is nonsense, the serving machinery is real.
 
     path = tiny_model.build()          # once; later calls reuse the folder
+    path = tiny_model.build(architecture="llama")   # the same, as a LlamaForCausalLM (lesson 07's engine loads both)
     LLM(model=str(path), ...)          # vLLM
     AutoModelForCausalLM.from_pretrained(path)
 """
@@ -32,23 +33,30 @@ The future of AI is open, fast and efficient. Once upon a time there was a small
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-def default_path() -> Path:
-    return runtime.scratch_dir() / "tiny-qwen2"
+ARCHITECTURES = ("qwen2", "llama")
+
+
+def default_path(architecture: str = "qwen2") -> Path:
+    return runtime.scratch_dir() / f"tiny-{architecture}"
 
 
 def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size: int = 128, num_layers: int = 2,
-          num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0, overwrite: bool = False) -> Path:
+          num_heads: int = 4, num_kv_heads: int = 2, seed: int = 0, overwrite: bool = False,
+          architecture: str = "qwen2") -> Path:
     """Write the tokenizer, config and weights to ``path`` (default: the course's scratch folder) and return it.
 
     Head size is hidden_size / num_heads (32 by default); num_heads / num_kv_heads is the GQA group (2).
     Weights are drawn with a wider spread than a real initialisation (std 0.2 instead of 0.02) so that the next
     token is decided by clear margins: greedy decoding then means the same thing in every engine and dtype check.
+    ``architecture="llama"`` writes a LlamaForCausalLM of the same sizes (no biases; Qwen2 has biases on q, k, v).
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-    path = Path(path) if path is not None else default_path()
+    if architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
+    path = Path(path) if path is not None else default_path(architecture)
     if (path / "model.safetensors").exists() and not overwrite:
         return path
     path.mkdir(parents=True, exist_ok=True)
@@ -62,14 +70,16 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     tokenizer.save_pretrained(path)
 
-    config = Qwen2Config(
+    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
+                                 "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
+    config = config_class(
         vocab_size=bpe.get_vocab_size(), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
         max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(torch.float32)
+    model = model_class(config).to(torch.float32)
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id,
                                                              "do_sample": False}))

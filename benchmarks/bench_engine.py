@@ -1,0 +1,320 @@
+"""Lesson 07's benchmark: the course's serving engine against Hugging Face transformers' ``generate``.
+
+    python benchmarks/bench_engine.py --out lessonlib/results/engine-h200.json
+
+A random-weight Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 query / 8 KV heads, head_dim 64, MLP 8192,
+vocabulary 128256, tied embeddings; built here with transformers' LlamaConfig, nothing downloaded), bf16, saved as a
+local checkpoint the engine loads. 128-token random prompts, 128 new tokens (greedy, no early stop), batch 1, 8, 32.
+Peers in the same run: transformers ``generate`` with its default dynamic cache (eager), and with its static cache
+(``cache_implementation="static"``, which compiles the forward; warmed up at the timed shapes first), and the
+engine with and without CUDA graphs (``enforce_eager=True``).
+
+Checks first: the engine's logits at the prefill and the first decode steps against transformers in float64 (the
+truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (lessonlib.testing's rule), and greedy
+tokens against transformers bf16 up to the first near-tie. Then tokens/s, and one decode step's time split into
+its parts (attention, MLP, norms, output head, sampling, each replayed from a CUDA graph; host = the engine's step
+time minus the graph's GPU time) against the step's bytes-read limit (weights + K/V at the copy bandwidth).
+``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lessonlib import ops, runtime  # noqa: E402
+from lessonlib.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+from lessonlib.engine.model import StepContext  # noqa: E402
+from lessonlib.engine.sequence import Sequence  # noqa: E402
+from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
+from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.testing import tolerance  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=256, tie_word_embeddings=True)
+CHECK_STEPS = 4  # logits compared at the prefill and the next CHECK_STEPS - 1 decode steps
+
+
+def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype) -> Path:
+    """A random-weight Llama written as a Hugging Face checkpoint (config.json + safetensors; no tokenizer)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**shape, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+                         pad_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(runtime.device()):  # random init on the GPU: seconds instead of a minute on the CPU
+        model = LlamaForCausalLM(config)
+    model.to(dtype).save_pretrained(folder, safe_serialization=True)
+    del model
+    return folder
+
+
+def hf_model(path: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(runtime.device()).eval()
+
+
+def random_prompts(batch: int, length: int, vocab: int, generator: torch.Generator) -> list[list[int]]:
+    return torch.randint(0, vocab, (batch, length), generator=generator).tolist()
+
+
+def sync():
+    if runtime.on_gpu():
+        torch.cuda.synchronize()
+
+
+def hf_generate(model, prompts, new_tokens: int, static: bool = False) -> tuple[list[list[int]], float]:
+    """Greedy continuations from transformers and the wall time of the call (exactly new_tokens each)."""
+    ids = torch.tensor(prompts, device=runtime.device())
+    extra = {"cache_implementation": "static"} if static else {}
+    sync()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, **extra)
+    sync()
+    return out[:, ids.shape[1]:].tolist(), time.perf_counter() - start
+
+
+def engine_generate(llm: LLM, prompts, new_tokens: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    sync()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    sync()
+    return [o.outputs[0].token_ids for o in outs], time.perf_counter() - start
+
+
+def check_logits(llm: LLM, truth_model, low_model, prompts, steps: int) -> dict:
+    """The engine's logits at the prefill and the next decode steps, teacher-forced along its own greedy tokens,
+    against transformers in float64 (truth) and in the engine's dtype (what an honest low-precision run gets)."""
+    captured = []
+    prefill, decode = llm.runner.prefill, llm.runner.decode
+
+    def recording(run):
+        def wrapped(seqs):
+            logits = run(seqs)
+            captured.append(logits.float().clone())
+            return logits
+        return wrapped
+
+    llm.runner.prefill, llm.runner.decode = recording(prefill), recording(decode)
+    try:
+        tokens, _ = engine_generate(llm, prompts, steps)
+    finally:
+        llm.runner.prefill, llm.runner.decode = prefill, decode
+    full = torch.tensor([p + t for p, t in zip(prompts, tokens)], device=runtime.device())
+    positions = slice(len(prompts[0]) - 1, len(prompts[0]) - 1 + steps)
+    with torch.inference_mode():
+        truth = truth_model(full).logits[:, positions].double()
+        low = low_model(full).logits[:, positions].float()
+    report = {"steps": steps, "batch": len(prompts), "per_step": []}
+    for step, ours in enumerate(captured):
+        t, lo = truth[:, step], low[:, step]
+        error = (ours.double() - t).abs().max().item()
+        allowed = tolerance(t, lo, llm.dtype)
+        report["per_step"].append({"step": step, "max_error": error, "allowed": allowed,
+                                   "transformers_bf16_error": (lo.double() - t).abs().max().item(),
+                                   "passed": error <= allowed})
+    report["passed"] = all(s["passed"] for s in report["per_step"])
+    return report
+
+
+def first_divergence(ours, theirs, prompts, truth_model, allowed: float) -> dict:
+    """Where the engine's greedy tokens first differ from transformers' (per prompt), and whether that is a
+    near-tie: the float64 logits of the two candidate tokens closer than the logits tolerance."""
+    report = {"identical": 0, "diverged": []}
+    for prompt, a, b in zip(prompts, ours, theirs):
+        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        if i is None:
+            report["identical"] += 1
+            continue
+        with torch.inference_mode():
+            logits = truth_model(torch.tensor([prompt + a[:i]], device=runtime.device())).logits[0, -1].double()
+        gap = abs(logits[a[i]] - logits[b[i]]).item()
+        report["diverged"].append({"at_token": i, "logit_gap_fp64": gap, "near_tie": gap <= allowed})
+    report["all_divergences_near_ties"] = all(d["near_tie"] for d in report["diverged"])
+    return report
+
+
+def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
+    """GPU time (us) of each part of one decode step at this batch and context, each part over every layer
+    replayed from its own CUDA graph, and of the whole step. K/V content does not matter for time: the blocks are
+    allocated, not filled."""
+    model, runner = llm.model, llm.runner
+    # Random tokens: sequences must not share prefix blocks (a shared block would be read from L2, not HBM).
+    seqs = [Sequence(torch.randint(0, model.config.vocab_size, (context,)).tolist(), SamplingParams())
+            for _ in range(batch)]
+    for seq in seqs:
+        llm.block_manager.allocate(seq)
+    try:
+        bs = llm.block_size
+        device = runner.device
+        slots = torch.tensor([seq.block_table[(context - 1) // bs] * bs + (context - 1) % bs for seq in seqs], device=device)
+        table = runner._table(seqs, width=runner.max_blocks)
+        ctx = StepContext(False, slots, table, torch.full((batch,), context, dtype=torch.int32, device=device))
+        h = model.config.hidden_size
+        x = torch.randn(batch, h, device=device, dtype=llm.dtype)
+        positions = torch.full((batch,), context - 1, device=device)
+        cos, sin = model.cos[positions], model.sin[positions]
+        ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
+        layers = list(enumerate(model.layers))
+        k, v = runner.k_caches, runner.v_caches
+        logits = model.logits(x)
+        parts = {
+            "attention": lambda: [layer.attention(x, cos, sin, ctx, k[i], v[i]) for i, layer in layers],
+            "mlp": lambda: [layer.mlp(x) for _, layer in layers],
+            "norms": lambda: [ops.add_rms_norm(x, x, w, model.config.rms_norm_eps)
+                              for _, layer in layers for w in (layer.input_norm, layer.post_attention_norm)]
+            + [ops.add_rms_norm(x, x, model.norm, model.config.rms_norm_eps)],
+            "embedding and output head": lambda: (model.embed_tokens(ids), model.logits(x)),
+            "sampling (greedy)": lambda: logits.argmax(dim=-1),
+            "whole step": lambda: model.logits(model(ids, positions, ctx, k, v)),
+        }
+        with torch.inference_mode():
+            return {name: time_graph(fn).median_us for name, fn in parts.items()}
+    finally:
+        for seq in seqs:
+            llm.block_manager.free(seq)
+        llm.block_manager.forget_prefix_cache()  # those blocks were registered but never filled
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, any mode: tests this script")
+    args = parser.parse_args()
+    gpu = runtime.on_gpu()
+    if not args.smoke and not gpu:
+        sys.exit("bench_engine.py needs a GPU (use --smoke to test the script on CPU)")
+    smoke = args.smoke
+    dtype = runtime.dtype(cpu=torch.float32)
+    started = time.perf_counter()
+    warm_up_gpu()
+    folder = Path(tempfile.mkdtemp(prefix="bench-engine-", dir=runtime.scratch_dir()))
+    try:
+        run(args, folder, smoke, gpu, dtype, started)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the 1B checkpoint is 2.5 GB
+
+
+def run(args, folder, smoke, gpu, dtype, started):
+    dtype_name = str(dtype).removeprefix("torch.")
+    prompt_len, new_tokens = (8, 3) if smoke else (128, 128)
+    batches = (2,) if smoke else (1, 8, 32)
+    records, notes = [], {"prompt_tokens": prompt_len, "new_tokens": new_tokens}
+    generator = torch.Generator().manual_seed(0)
+
+    def record(op, impl, shape, **fields):
+        records.append({"op": op, "impl": impl, "shape": shape, "dtype": dtype_name, **fields})
+        print(f"{op:22s} {impl:40s} {str(shape):42s} {fields}", flush=True)
+
+    path = build_checkpoint(folder, TINY if smoke else LLAMA_1B, dtype)
+    config = ModelConfig.from_folder(path)
+    weight_bytes = config.weight_bytes(torch.empty((), dtype=dtype).element_size())
+    notes["model"] = {"shape": TINY if smoke else LLAMA_1B, "weight_bytes": weight_bytes,
+                      "weights": "random (torch.manual_seed(0)), transformers' LlamaConfig defaults otherwise"}
+    max_len = prompt_len + new_tokens + 16
+    engines = {"lessonlib engine, CUDA graphs": LLM(path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_len)}
+    engines["lessonlib engine, eager"] = LLM(path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_len,
+                                             enforce_eager=True)
+    if not engines["lessonlib engine, CUDA graphs"].cuda_graphs:
+        del engines["lessonlib engine, CUDA graphs"]  # on CPU: no graphs, the two engines would be one
+    print(f"built and loaded in {time.perf_counter() - started:.0f} s", flush=True)
+
+    # --- checks ---------------------------------------------------------------------------------------------------
+    low_model = hf_model(path, dtype)
+    truth_model = hf_model(path, torch.float64)
+    check_prompts = random_prompts(min(8, max(batches)), prompt_len, config.vocab_size, generator)
+    notes["checks"] = {}
+    for name, llm in engines.items():
+        report = check_logits(llm, truth_model, low_model, check_prompts, min(CHECK_STEPS, new_tokens))
+        ours, _ = engine_generate(llm, check_prompts, new_tokens)
+        theirs, _ = hf_generate(low_model, check_prompts, new_tokens)
+        allowed = max(s["allowed"] for s in report["per_step"])
+        report["greedy_tokens"] = first_divergence(ours, theirs, check_prompts, truth_model, allowed)
+        notes["checks"][name] = report
+        errors = ", ".join(f"{s['max_error']:.3g} <= {s['allowed']:.3g}" for s in report["per_step"])
+        greedy = report["greedy_tokens"]
+        print(f"check {name}: logits {'passed' if report['passed'] else 'FAILED'} ({errors}); greedy tokens: "
+              f"{greedy['identical']}/{len(check_prompts)} identical, divergences {greedy['diverged']}", flush=True)
+    del truth_model
+    if gpu:
+        torch.cuda.empty_cache()
+
+    # --- tokens/s ---------------------------------------------------------------------------------------------------
+    peers = {"transformers generate (dynamic cache, eager)": lambda p: hf_generate(low_model, p, new_tokens)}
+    if gpu:
+        peers["transformers generate (static cache, compiled)"] = lambda p: hf_generate(low_model, p, new_tokens, True)
+    for name, llm in engines.items():
+        peers[name] = lambda p, llm=llm: engine_generate(llm, p, new_tokens)
+    for batch in batches:
+        shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
+        for name, run in peers.items():
+            warm_start = time.perf_counter()
+            try:
+                run(random_prompts(batch, prompt_len, config.vocab_size, generator))  # compiles at this shape
+                warm_up_s = time.perf_counter() - warm_start
+                _, seconds = run(random_prompts(batch, prompt_len, config.vocab_size, generator))
+            except Exception as e:  # a peer that fails here (e.g. a compile error) is recorded, not fatal
+                notes.setdefault("failures", []).append({"impl": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]})
+                print(f"FAILED {name} at batch {batch}: {type(e).__name__}: {e}", flush=True)
+                continue
+            record("generate", name, shape, seconds=round(seconds, 4),
+                   tokens_per_s=round(batch * new_tokens / seconds, 1), warm_up_s=round(warm_up_s, 1),
+                   elapsed_s=round(time.perf_counter() - started, 1))
+        # The engine's own step log of the timed run: decode steps' mean wall time.
+        for name, llm in engines.items():
+            decode = [s.seconds for s in llm.steps if s.kind == "decode"]
+            prefill = [s.seconds for s in llm.steps if s.kind == "prefill"]
+            if decode and not any(f["impl"] == name and f["batch"] == batch for f in notes.get("failures", [])):
+                record("engine_steps", name, shape, decode_step_us=round(1e6 * sum(decode) / len(decode), 1),
+                       prefill_us=round(1e6 * sum(prefill), 1), decode_steps=len(decode))
+
+    # --- one decode step, part by part, against its bytes-read limit -----------------------------------------------
+    if gpu:
+        ceilings = measure_ceilings()
+        bandwidth = ceilings.bandwidth_gbs * 1e9
+        notes["weight_read_limit_tokens_per_s_batch_1"] = round(bandwidth / weight_bytes, 1)
+        llm = engines.get("lessonlib engine, CUDA graphs") or next(iter(engines.values()))
+        context = prompt_len + new_tokens // 2  # the middle of a run
+        element = torch.empty((), dtype=dtype).element_size()
+        for batch in batches:
+            shape = {"batch": batch, "context": context}
+            parts = step_breakdown(llm, batch, context)
+            kv_bytes = 2 * batch * context * config.num_layers * config.num_kv_heads * config.head_dim * element
+            step_bytes = weight_bytes + kv_bytes
+            step_us = next((r["decode_step_us"] for r in records if r["op"] == "engine_steps"
+                            and r["impl"] == "lessonlib engine, CUDA graphs" and r["shape"]["batch"] == batch), None)
+            host_us = step_us - parts["whole step"] - parts["sampling (greedy)"] if step_us is not None else None
+            for part, us in parts.items():
+                record("decode_step_part", "lessonlib engine", shape, part=part, us=round(us, 2))
+            if host_us is not None:
+                record("decode_step_part", "lessonlib engine", shape, part="host", us=round(host_us, 2),
+                       note="engine decode step (wall, CUDA graphs, mean over the timed run) minus the GPU time of the whole "
+                       "step and of sampling: scheduling, input preparation, launches, the sync for the tokens")
+            record("decode_step_limit", "bytes read at copy bandwidth", shape, us=round(step_bytes / bandwidth * 1e6, 2),
+                   bytes=step_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+        results = Results("engine", " ".join(["python", *sys.argv]), environment(),
+                          {"bandwidth_gbs": round(ceilings.bandwidth_gbs, 1),
+                           "matmul_tflops": round(ceilings.matmul_tflops, 1)}, records, notes)
+    else:
+        results = Results("engine", " ".join(["python", *sys.argv]), environment(), {}, records, notes)
+    notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
+    notes["seconds"] = round(time.perf_counter() - started, 1)
+    print("wrote", results.save(args.out), f"in {notes['seconds']} s")
+
+
+if __name__ == "__main__":
+    main()

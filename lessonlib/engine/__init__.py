@@ -1,0 +1,27 @@
+"""A small serving engine built from the course's kernels, with vLLM's offline interface (lesson 07).
+
+    from lessonlib.engine import LLM, SamplingParams
+    llm = LLM(model=path)                      # a local Llama or Qwen2 checkpoint folder
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
+    outs[i].outputs[0].token_ids, outs[i].outputs[0].text
+
+The folder tree is the architecture (nano-vllm's layout):
+
+    config.py          what config.json says, checked (supported architectures, RoPE type)
+    sequence.py        SamplingParams, a request's state (Sequence), the outputs
+    block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
+    scheduler.py       continuous batching: admission, decode, preemption
+    model.py           the decoder on lessonlib.ops kernels; loading safetensors weights
+    model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
+    sampler.py         greedy, temperature, top-p, seeded
+    llm.py             LLM: generate(), add_request()/step()
+"""
+
+from lessonlib.engine.config import ModelConfig
+from lessonlib.engine.llm import LLM, StepRecord
+from lessonlib.engine.sampler import top_p_filter
+from lessonlib.engine.scheduler import can_admit
+from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "StepRecord",
+           "top_p_filter", "can_admit"]

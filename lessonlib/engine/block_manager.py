@@ -1,0 +1,112 @@
+"""Which physical KV-cache blocks each sequence holds: lesson 03's BlockAllocator (reference counts, a free list,
+the prefix-cache registry) and its chained block digests, driven for many layers at once.
+
+``lessonlib.kv_cache.PagedKVCache`` keeps one layer's K/V pool and its bookkeeping together; the engine has one pool
+per layer indexed by the *same* block ids, so it keeps the bookkeeping here, apart from any tensor (as nano-vllm's
+and vLLM's block managers do). No kernel is called from this file.
+
+Prefix caching: a full block is identified by a digest chained over every token before it. At admission a prompt's
+leading full blocks are looked up; a hit is shared (its reference count goes up) instead of recomputed. A prompt
+never reuses its last token's block: the last token must run through the model to give the next token's logits.
+"""
+
+from __future__ import annotations
+
+from lessonlib.kv_cache import BlockAllocator, _chain
+from lessonlib.engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self._digests: dict[int, list[bytes]] = {}  # seq_id -> digest of each full block it holds
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - self.num_free
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # --- admission (prefill) -------------------------------------------------------------------------------------
+    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Blocks of the prefix cache that hold this sequence's leading full blocks (all but the last token's)."""
+        blocks, digests = [], []
+        for i in range((len(seq) - 1) // self.block_size):
+            digest = _chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
+            block = self.allocator.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+            digests.append(digest)
+        return blocks, digests
+
+    def free_blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks admitting ``seq`` takes: its uncached blocks, plus cached blocks that sit in the free list
+        (a finished sequence's blocks stay findable there until they are handed out again)."""
+        hits, _ = self._cached_prefix(seq)
+        idle_hits = sum(self.allocator.ref_counts[b] == 0 for b in hits)
+        return self.blocks_for(len(seq)) - len(hits) + idle_hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        return self.free_blocks_needed(seq) <= self.num_free
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks. Call can_allocate first."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
+        if not self.can_allocate(seq):
+            raise RuntimeError(f"sequence {seq.seq_id} does not fit: check can_allocate first")
+        hits, digests = self._cached_prefix(seq)
+        for block in hits:
+            self.allocator.share(block)
+        table = hits + [self.allocator.allocate() for _ in range(self.blocks_for(len(seq)) - len(hits))]
+        # Register the prompt's other full blocks now: their K/V are written by this very prefill, in every layer
+        # before any attention of that layer reads them, so a sequence admitted in the same step may share them.
+        for i in range(len(hits), len(seq) // self.block_size):
+            digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            self.allocator.register(table[i], digests[-1])
+        seq.block_table = table
+        seq.num_cached_tokens = len(hits) * self.block_size
+        if seq.num_preemptions == 0:
+            seq.num_prompt_cached_tokens = seq.num_cached_tokens
+        self._digests[seq.seq_id] = digests
+
+    # --- growth (decode) ---------------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the K/V of the sequence's last token, the one the next decode step feeds."""
+        return len(seq.block_table) >= self.blocks_for(len(seq)) or self.allocator.can_allocate(1)
+
+    def append(self, seq: Sequence) -> None:
+        """Make room for the last token's K/V (a new block when the previous one is full); when that token fills
+        its block, register the block in the prefix cache (its K/V are complete once this step has run)."""
+        if len(seq.block_table) < self.blocks_for(len(seq)):
+            seq.block_table.append(self.allocator.allocate())
+        if len(seq) % self.block_size == 0:
+            digests = self._digests[seq.seq_id]
+            i = len(seq) // self.block_size - 1
+            if len(digests) == i:  # a chain with no gap (false once a sequence ran past what was hashed)
+                digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:]))
+                self.allocator.register(seq.block_table[i], digests[-1])
+
+    def free(self, seq: Sequence) -> None:
+        """Return a sequence's blocks (finished, or preempted); full ones stay prefix-cached until reused."""
+        for block in reversed(seq.block_table):  # last blocks first: the free list hands out the oldest first,
+            self.allocator.release(block)  # so a shared prefix's first blocks are the last to be overwritten
+        seq.block_table = []
+        seq.num_cached_tokens = 0
+        self._digests.pop(seq.seq_id, None)
+
+    def forget_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry (after a failed step, whose blocks may hold half-written K/V)."""
+        self.allocator.block_with.clear()
+        self.allocator.hash_of.clear()

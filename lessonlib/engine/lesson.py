@@ -1,0 +1,135 @@
+"""What lesson 07 draws: the scheduler under a stream of arriving requests (bookkeeping only, no model: the scheduler
+and block manager call no kernel, so thousands of steps take a second), an engine run's step timeline, and the
+recorded GPU run (``lessonlib/results/engine-h200.json``)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import matplotlib.pyplot as plt
+
+from lessonlib.engine.block_manager import BlockManager
+from lessonlib.engine.scheduler import Scheduler
+from lessonlib.engine.sequence import SamplingParams, Sequence
+
+
+@dataclass
+class SimulatedStep:
+    step: int
+    kind: str
+    running: int
+    waiting: int
+    blocks_used: int
+    blocks_reserved: int  # what a server reserving each running request's maximum length up front would hold
+    preemptions: int
+    cached_tokens: int  # prompt tokens served from the prefix cache, so far
+
+
+def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 256, steps: int = 400,
+             max_num_seqs: int = 32, shared_prefix: int = 64, seed: int = 0) -> list[SimulatedStep]:
+    """Requests arrive at ``arrival_rate`` per step (Poisson); prompts of 16-256 tokens, half of them opening with
+    the same ``shared_prefix``-token system prompt; each asks for up to 256 new tokens and stops after a random
+    number of them (as an end-of-sequence token would). The real Scheduler and BlockManager run; the model is
+    replaced by "append a token"."""
+    rng = random.Random(seed)
+    blocks = BlockManager(num_blocks, block_size)
+    scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens=4096)
+    system = [rng.randrange(1000) for _ in range(shared_prefix)]
+    stops: dict[int, int] = {}
+    records, cached, next_arrival = [], 0, rng.expovariate(arrival_rate) if arrival_rate > 0 else float("inf")
+    for step in range(steps):
+        while next_arrival <= step:
+            prompt = [rng.randrange(1000) for _ in range(rng.randrange(16, 256))]
+            if rng.random() < 0.5:
+                prompt = system + prompt
+            seq = Sequence(prompt[: num_blocks * block_size // 2], SamplingParams(max_tokens=256))
+            stops[seq.seq_id] = rng.randrange(1, 257)
+            scheduler.add(seq)
+            next_arrival += rng.expovariate(arrival_rate)
+        seqs, is_prefill = scheduler.schedule() if not scheduler.is_finished() else ([], False)
+        if is_prefill:
+            cached += sum(seq.num_cached_tokens for seq in seqs)
+        for seq in seqs:
+            seq.token_ids.append(rng.randrange(1000))
+            if len(seq.output_token_ids) >= stops[seq.seq_id]:
+                scheduler.finish(seq, "stop")
+        reserved = sum(blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) for seq in scheduler.running)
+        records.append(SimulatedStep(step, "prefill" if is_prefill else ("decode" if seqs else "idle"),
+                                     len(scheduler.running), len(scheduler.waiting), blocks.num_used, reserved,
+                                     scheduler.num_preemptions, cached))
+    return records
+
+
+def plot_simulation(records: list[SimulatedStep], num_blocks: int, ax=None):
+    """KV blocks in use against what up-front reservation would hold, and the queue, step by step."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3.6))
+    steps = [r.step for r in records]
+    ax.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", label="reserved up front (max length)")
+    ax.plot(steps, [r.blocks_used for r in records], color="tab:blue", label="in use (paged)")
+    ax.axhline(num_blocks, color="black", lw=0.8, ls="--", label=f"pool: {num_blocks} blocks")
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV blocks")
+    queue = ax.twinx()
+    queue.plot(steps, [r.running for r in records], color="tab:green", lw=0.8, label="running")
+    queue.plot(steps, [r.waiting for r in records], color="tab:red", lw=0.8, label="waiting")
+    queue.set_ylabel("requests")
+    lines = ax.get_legend_handles_labels()
+    more = queue.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize=8, ncol=2)
+    last = records[-1]
+    ax.set_title(f"{last.preemptions} preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache")
+    return ax
+
+
+def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performance)"):
+    """An engine run's steps (``LLM.steps``): time per step, prefill and decode coloured apart."""
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 3))
+    colors = ["tab:orange" if s.kind == "prefill" else "tab:blue" for s in steps]
+    ax.bar(range(len(steps)), [1e3 * s.seconds for s in steps], color=colors)
+    ax.set_xlabel("engine step (orange: prefill, blue: decode)")
+    ax.set_ylabel(f"ms ({label})")
+    for i, s in enumerate(steps):
+        ax.text(i, 1e3 * s.seconds, str(s.num_seqs), ha="center", va="bottom", fontsize=7)
+    ax.set_title("step timeline; the number over each bar is the batch size")
+    return ax
+
+
+def plot_recorded(results, axes=None):
+    """The recorded GPU run: tokens/s of every peer at each batch size, and one decode step split into parts
+    against the bytes-read limit."""
+    if axes is None:
+        _, axes = plt.subplots(1, 2, figsize=(13, 4))
+    ladder, parts = axes
+    generate = results.select(op="generate")
+    impls = list(dict.fromkeys(r["impl"] for r in generate))
+    batches = sorted({r["shape"]["batch"] for r in generate})
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        values = [next((r["tokens_per_s"] for r in generate if r["impl"] == impl and r["shape"]["batch"] == b), 0)
+                  for b in batches]
+        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl)
+    limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
+    if limit:
+        ladder.axhline(limit, color="black", ls="--", lw=0.8, label="weight-read limit, batch 1")
+    ladder.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ladder.set_yscale("log")
+    ladder.set_ylabel("tokens/s")
+    ladder.legend(fontsize=7)
+    rows = results.select(op="decode_step_part")
+    shown = [p for p in dict.fromkeys(r["part"] for r in rows) if p != "whole step"]
+    bottoms = [0.0] * len(batches)
+    for part in shown:
+        values = [next((r["us"] for r in rows if r["part"] == part and r["shape"]["batch"] == b), 0) for b in batches]
+        parts.bar(range(len(batches)), values, bottom=bottoms, label=part)
+        bottoms = [a + b for a, b in zip(bottoms, values)]
+    limits = [next((r["us"] for r in results.select(op="decode_step_limit") if r["shape"]["batch"] == b), None)
+              for b in batches]
+    parts.scatter(range(len(batches)), limits, color="black", marker="_", s=900, zorder=3, label="bytes-read limit")
+    parts.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    parts.set_ylabel("µs per decode step")
+    parts.legend(fontsize=7)
+    ladder.figure.text(0.01, -0.02, results.provenance(), fontsize=7)
+    return axes

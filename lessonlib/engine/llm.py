@@ -1,0 +1,236 @@
+"""``LLM``: vLLM's offline interface over the engine's parts (scheduler, block manager, model runner, sampler).
+
+    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
+    outs[i].outputs[0].token_ids, outs[i].outputs[0].text
+
+Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
+any error the engine is empty and ready for the next call.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lessonlib import runtime
+from lessonlib.engine.block_manager import BlockManager
+from lessonlib.engine.config import ModelConfig
+from lessonlib.engine.model import Model
+from lessonlib.engine.model_runner import ModelRunner
+from lessonlib.engine.sampler import Sampler
+from lessonlib.engine.scheduler import Scheduler
+from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
+
+CPU_POOL_BYTES = 64 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
+GPU_POOL_SHARE = 0.8  # default KV pool on a GPU: this share of the memory budget left after the weights
+
+
+@dataclass
+class StepRecord:
+    """One engine step, for the lesson's timeline and block-usage plots."""
+
+    kind: str  # "prefill" or "decode"
+    num_seqs: int
+    num_tokens: int  # tokens run through the model (a prefill's cached prefix not counted)
+    cached_tokens: int  # prompt tokens served from the prefix cache (prefill steps)
+    blocks_used: int  # after scheduling: blocks held by running sequences (and idle cached blocks not counted)
+    blocks_reserved: int  # blocks the running sequences would hold if each reserved its max length up front
+    waiting: int
+    preemptions: int  # so far in this run
+    seconds: float
+
+
+class LLM:
+    def __init__(self, model: str | Path, dtype: torch.dtype | str | None = None, block_size: int = 16,
+                 max_num_seqs: int = 64, max_model_len: int | None = None, num_blocks: int | None = None,
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False):
+        path = Path(model)
+        self.config = config = ModelConfig.from_folder(path)
+        self.dtype = dtype = resolve_dtype(dtype)
+        if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two, at least 16 (paged_attention's), got {block_size!r}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an int >= 1, got {max_num_seqs!r}")
+        device = runtime.device()
+        max_model_len = min(max_model_len or config.max_position_embeddings, config.max_position_embeddings)
+        element = torch.empty((), dtype=dtype).element_size()
+        runtime.check_fits(config.weight_bytes(element), f"{path.name}'s weights in {dtype}")
+        block_bytes = 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * element
+        if num_blocks is None:
+            wanted = max_num_seqs * -(-max_model_len // block_size)
+            profile = runtime.gpu_profile()
+            room = CPU_POOL_BYTES if profile is None else \
+                GPU_POOL_SHARE * (profile.memory_budget - config.weight_bytes(element))
+            num_blocks = max(1, min(wanted, int(room // block_bytes)))
+        runtime.check_fits(num_blocks * block_bytes, f"a KV cache of {num_blocks} blocks")
+        # The longest sequence: what the positions allow and what the whole pool holds.
+        self.max_model_len = min(max_model_len, num_blocks * block_size)
+        self.block_size, self.max_num_seqs, self.enforce_eager = block_size, max_num_seqs, enforce_eager
+
+        self.tokenizer = _load_tokenizer(path)
+        self.model = Model(config, dtype, device, max_positions=self.max_model_len)
+        self.model.load_weights(path)
+        self.model.eval()
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(self.block_manager, max_num_seqs,
+                                   max_num_batched_tokens or max(self.max_model_len, 2048))
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, enforce_eager)
+        self.sampler = Sampler(device)
+        self.steps: list[StepRecord] = []  # the last generate()'s steps
+
+    @property
+    def cuda_graphs(self) -> bool:
+        return bool(self.runner.graphs)
+
+    # --- requests ----------------------------------------------------------------------------------------------
+    def make_sequence(self, prompt, params: SamplingParams) -> Sequence:
+        """Check one prompt (text, a list of token ids, or {"prompt_token_ids": [...]}) and wrap it; no state
+        changes here."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
+        text = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint has no tokenizer: pass token ids ({'prompt_token_ids': [...]})")
+            text, ids = prompt, self.tokenizer.encode(prompt)
+        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+        elif isinstance(prompt, (list, tuple)):
+            ids = prompt
+        else:
+            raise TypeError(f"a prompt is a str, a list of token ids or a dict with 'prompt_token_ids', got "
+                            f"{type(prompt).__name__}")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise ValueError("empty prompt: a prompt needs at least one token")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
+            raise ValueError(f"token id out of range: the vocabulary has {self.config.vocab_size} tokens")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens is longer than the cache can hold: at most "
+                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len}: the prompt and one new token)")
+        return Sequence(ids, params, prompt=text)
+
+    def add_request(self, prompt, params: SamplingParams) -> Sequence:
+        seq = self.make_sequence(prompt, params)
+        self.sampler.start(seq.seq_id, params.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    def has_unfinished_requests(self) -> bool:
+        return not self.scheduler.is_finished()
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion, in one continuously batched run; outputs in the prompts' order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("generate needs a non-empty list of prompts")
+        if isinstance(prompts[0], int):  # one prompt given as token ids
+            prompts = [prompts]
+        params = sampling_params or SamplingParams()
+        params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # all checked before any is added
+        if self.has_unfinished_requests():
+            raise RuntimeError("requests added with add_request() are still running: step() them to completion")
+        self.steps = []
+        for seq in seqs:
+            self.sampler.start(seq.seq_id, seq.params.seed)
+            self.scheduler.add(seq)
+        while self.has_unfinished_requests():
+            self.step()
+        return [self.output(seq) for seq in seqs]
+
+    def step(self) -> list[Sequence]:
+        """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. A failure
+        frees every request and the prefix cache, and is raised."""
+        start = time.perf_counter()
+        try:
+            seqs, is_prefill = self.scheduler.schedule()
+            if not seqs:
+                raise RuntimeError("the scheduler found nothing to run: a request cannot fit the KV cache")
+            logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+            tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
+                                  [s.params.top_p for s in seqs])
+        except BaseException:
+            for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                self.sampler.forget(seq.seq_id)
+            self.scheduler.abort_all()
+            raise
+        finished = []
+        cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
+        new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
+        for seq, token in zip(seqs, tokens):
+            seq.token_ids.append(token)
+            reason = self._finish_reason(seq, token)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                self.sampler.forget(seq.seq_id)
+                finished.append(seq)
+        running = self.scheduler.running
+        self.steps.append(StepRecord(
+            "prefill" if is_prefill else "decode", len(seqs), new_tokens, cached, self.block_manager.num_used,
+            sum(self.block_manager.blocks_for(min(s.num_prompt_tokens + s.params.max_tokens, self.max_model_len))
+                for s in running),
+            len(self.scheduler.waiting), self.scheduler.num_preemptions, time.perf_counter() - start))
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        if not seq.params.ignore_eos and token in self.config.eos_token_ids:
+            return "stop"
+        if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def output(self, seq: Sequence) -> RequestOutput:
+        if seq.status is not Status.FINISHED:
+            raise RuntimeError(f"request {seq.seq_id} has not finished")
+        ids = seq.output_token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
+        return RequestOutput(seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
+                             [CompletionOutput(0, text, list(ids), seq.finish_reason)],
+                             num_cached_tokens=seq.num_prompt_cached_tokens, num_preemptions=seq.num_preemptions)
+
+    # --- state, for tests and the lesson -----------------------------------------------------------------------
+    def num_blocks_in_use(self) -> int:
+        """Blocks held by sequences (0 after every generate: nothing leaks). Idle prefix-cache blocks are free."""
+        return self.block_manager.num_used
+
+
+def resolve_dtype(dtype) -> torch.dtype:
+    """The engine's dtype: the course's policy by default (bfloat16 on a GPU that has it, float16 below sm_80,
+    float32 in the interpreter); a requested one must be one flash_attention runs here."""
+    from lessonlib.ops.flash_attention import supported_dtypes
+
+    if dtype is None or dtype == "auto":
+        return runtime.dtype(cpu=torch.float32)
+    if isinstance(dtype, str):
+        names = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+                 "bfloat16": torch.bfloat16}
+        if dtype not in names:
+            raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(names)}")
+        dtype = names[dtype]
+    allowed = supported_dtypes()
+    if dtype not in allowed:
+        if dtype == torch.bfloat16:
+            why = runtime.why_not_bfloat16()
+        elif dtype == torch.float32 and runtime.on_gpu():
+            why = "on the GPU flash_attention runs 16-bit inputs only (its tl.dot would run float32 as TF32)"
+        else:
+            why = "the course's kernels do not run it"
+        raise TypeError(f"dtype {dtype} is not supported here: {why}; use one of {', '.join(map(str, allowed))}")
+    return dtype
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,223 @@
+"""Lesson 07's engine against Hugging Face transformers' ``generate`` (never mocked), in float32 on the tiny models.
+
+Float32 keeps rounding far below the tiny models' gaps between the best and second-best token (their weights have a
+wide spread for that: see lessonlib.tiny_model), so greedy tokens must match exactly. Kept small: in the
+interpreter every decode step of the tiny model costs about a second.
+"""
+
+import json
+import random
+
+import pytest
+import torch
+
+from lessonlib import runtime, serving, tiny_model
+from lessonlib.engine import LLM, SamplingParams, can_admit, top_p_filter
+
+PREFIX = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "
+          "square of the sequence length, so")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+DTYPE = runtime.dtype(cpu=torch.float32)  # float32 in the interpreter; the GPU runs 16-bit (see test docstring)
+# A dtype the engine must refuse here: bfloat16 in the interpreter (and below sm_80), float32 on a GPU (flash_attention
+# would run it as TF32).
+UNSUPPORTED = torch.bfloat16 if torch.bfloat16 not in runtime.supported_dtypes() else torch.float32
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_model.build()
+
+
+@pytest.fixture(scope="module")
+def llm(path):
+    return LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, num_blocks=32, max_model_len=256)
+
+
+def transformers_greedy(path, prompts, max_tokens):
+    return serving.hf_greedy(str(path), prompts, max_tokens=max_tokens, dtype=DTYPE)
+
+
+def assert_same_tokens(outs, expected, prompts):
+    for out, want, prompt in zip(outs, expected, prompts):
+        got = out.outputs[0].token_ids
+        assert serving.first_difference(got, want) is None, f"{prompt!r}: engine {got}, transformers {want}"
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity is an interpreter check; the GPU "
+                    "benchmark checks bf16 logits with a stated tolerance")
+def test_greedy_tokens_match_transformers_batched_with_a_shared_prefix(path, llm):
+    prompts = [PREFIX + " FlashAttention computes it tile by tile.", "Hello, my name is",
+               PREFIX + " a paged KV cache", "The capital of France is Paris. The quick brown fox jumps over"]
+    outs = llm.generate(prompts, GREEDY)
+    assert_same_tokens(outs, transformers_greedy(path, prompts, GREEDY.max_tokens), prompts)
+    assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens and o.outputs[0].finish_reason == "length" for o in outs)
+    # The third prompt was admitted in the same step as the first and shares its full prefix blocks: its prefill
+    # read them through the block table (paged_prefill_attention), written moments before by the first.
+    prefix_blocks = len(llm.tokenizer.encode(PREFIX)) // llm.block_size
+    assert prefix_blocks >= 1 and outs[2].num_cached_tokens == prefix_blocks * llm.block_size
+    assert outs[0].num_cached_tokens == 0 and llm.steps[0].cached_tokens == outs[2].num_cached_tokens
+    assert llm.num_blocks_in_use() == 0, "a finished generate left blocks allocated"
+
+    # A later call reuses the prefix blocks the first call left in the cache (freed, still findable).
+    later = [PREFIX + " the online softmax"]
+    again = llm.generate(later, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert again[0].num_cached_tokens == prefix_blocks * llm.block_size
+    assert_same_tokens(again, transformers_greedy(path, later, 3), later)
+    assert llm.num_blocks_in_use() == 0
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_preemption_and_waiting_under_a_tiny_block_budget(path):
+    # Four 16-token blocks for four prompts of 14-15 tokens: each is admitted with one block, then needs a second
+    # one for its 17th token. Not all fit: the latest admitted are preempted, wait, and are recomputed later.
+    llm = LLM(model=str(path), dtype=DTYPE, num_blocks=4, max_num_seqs=4)
+    rng = random.Random()
+    prompts = [[rng.randrange(3, llm.config.vocab_size) for _ in range(rng.randrange(14, 16))] for _ in range(4)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    assert sum(o.num_preemptions for o in outs) >= 1 and llm.scheduler.num_preemptions >= 1
+    assert max(step.waiting for step in llm.steps) >= 1
+    assert max(step.blocks_used for step in llm.steps) <= 4
+    assert llm.num_blocks_in_use() == 0
+    # Recomputed requests give the tokens transformers gives.
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
+    for prompt, out in zip(prompts, outs):
+        with torch.inference_mode():
+            want = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)[0, len(prompt):].tolist()
+        assert out.outputs[0].token_ids == want
+
+
+def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp_path):
+    for spoil, error, message in [
+        (lambda: llm.generate([]), ValueError, "non-empty list"),
+        (lambda: llm.generate(["fine", ""]), ValueError, "empty prompt"),
+        (lambda: llm.generate([[5] * 256]), ValueError, "longer than the cache can hold"),
+        (lambda: llm.generate([[5, 10**6]]), ValueError, "out of range"),
+        (lambda: llm.generate(["fine"], "greedy"), TypeError, "SamplingParams"),
+        (lambda: SamplingParams(top_p=0.0), ValueError, "top_p"),
+        (lambda: LLM(model=str(path), dtype=UNSUPPORTED), TypeError, str(UNSUPPORTED).removeprefix("torch.")),
+        (lambda: LLM(model=str(path), block_size=8), ValueError, "block_size"),
+        (lambda: LLM(model=str(tmp_path)), FileNotFoundError, "config.json"),
+    ]:
+        with pytest.raises(error, match=message):
+            spoil()
+    config = json.loads((path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="unsupported architecture 'GPT2LMHeadModel'"):
+        LLM(model=str(tmp_path))
+    assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
+
+    # A step that fails half-way frees everything (and forgets the prefix cache, which it may have half written).
+    real_decode = llm.runner.decode
+
+    def failing_decode(seqs):
+        raise RuntimeError("injected failure")
+
+    llm.runner.decode = failing_decode
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            llm.generate(["Hello, my name is"], SamplingParams(temperature=0.0, max_tokens=3))
+    finally:
+        llm.runner.decode = real_decode
+    assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
+    assert not llm.block_manager.allocator.block_with
+    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=1))
+    assert len(out[0].outputs[0].token_ids) == 1 and llm.num_blocks_in_use() == 0
+
+
+def test_seeded_sampling_is_reproducible_and_top_p_keeps_the_nucleus(llm):
+    prompt = "The quick brown fox"
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=4, seed=1234, ignore_eos=True)
+    nucleus_of_one = SamplingParams(temperature=1.0, top_p=1e-9, max_tokens=4, seed=99, ignore_eos=True)
+    outs = llm.generate([prompt, prompt, prompt, prompt],
+                        [seeded, seeded, nucleus_of_one, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)])
+    # Each request draws from its own generator: the same seed gives the same tokens, in any batch.
+    assert outs[0].outputs[0].token_ids == outs[1].outputs[0].token_ids
+    alone = llm.generate([prompt], seeded)
+    assert alone[0].outputs[0].token_ids == outs[0].outputs[0].token_ids
+    # A nucleus of mass ~0 holds only the most likely token: sampling from it is greedy decoding.
+    assert outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
+    assert llm.num_blocks_in_use() == 0
+
+
+def test_top_p_filter_keeps_the_smallest_set_reaching_top_p():
+    for _ in range(20):
+        vocab = random.randrange(1, 50)
+        probs = torch.softmax(3 * torch.randn(3, vocab, dtype=torch.float64), dim=-1)
+        top_p = torch.rand(3, dtype=torch.float64).clamp_min(1e-6)
+        kept = top_p_filter(probs, top_p)
+        for row in range(3):
+            order = probs[row].argsort(descending=True)
+            mass = probs[row][order].cumsum(0)
+            size = int((mass < top_p[row]).sum()) + 1  # tokens until the mass first reaches top_p
+            size = min(size, vocab)
+            expected = torch.zeros(vocab, dtype=torch.float64)
+            expected[order[:size]] = probs[row][order[:size]] / probs[row][order[:size]].sum()
+            torch.testing.assert_close(kept[row], expected)
+
+
+def test_admission_rule():
+    base = dict(prompt_blocks=4, cached_idle_blocks=0, cached_busy_blocks=0, free_blocks=4, running=0,
+                max_num_seqs=2, new_tokens=64, batched_tokens=0, max_batched_tokens=100)
+    assert can_admit(**base)
+    assert not can_admit(**{**base, "free_blocks": 3})
+    assert can_admit(**{**base, "free_blocks": 2, "cached_busy_blocks": 2})  # shared blocks cost nothing
+    assert not can_admit(**{**base, "free_blocks": 2, "cached_idle_blocks": 2})  # idle cached ones leave the free list
+    assert not can_admit(**{**base, "running": 2})
+    assert not can_admit(**{**base, "batched_tokens": 50})
+    assert can_admit(**{**base, "new_tokens": 500})  # a lone prompt always fits the token budget
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_a_llama_checkpoint_matches_transformers(tmp_path_factory):
+    path = tiny_model.build(architecture="llama")
+    llm = LLM(model=str(path), dtype=DTYPE, max_num_seqs=4, num_blocks=16, max_model_len=128)
+    prompts = ["Hello, my name is", "A paged KV cache stores keys and values in fixed-size blocks."]
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert_same_tokens(outs, transformers_greedy(path, prompts, 3), prompts)
+
+
+def test_bench_engine_smoke_writes_a_results_file(tmp_path):
+    from tests.test_benchmarks import run_smoke
+
+    recorded = run_smoke("bench_engine.py", tmp_path)
+    assert recorded.benchmark == "engine" and "--smoke" in recorded.command
+    assert recorded.select(op="generate", impl="transformers generate (dynamic cache, eager)")
+    assert recorded.select(op="generate", impl="lessonlib engine, eager")
+    check = recorded.notes["checks"]["lessonlib engine, eager"]
+    assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_tokens(path):
+    graphs = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256)
+    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256, enforce_eager=True)
+    assert graphs.cuda_graphs and not eager.cuda_graphs
+    prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    for a, b in zip(graphs.generate(prompts, params), eager.generate(prompts, params)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert graphs.num_blocks_in_use() == 0
+
+
+def test_exercise_checkers_pass_the_engine_and_catch_wrong_rules(capsys):
+    from lessonlib.exercises import ExerciseFailed, check_can_admit, check_top_p_filter
+
+    check_can_admit(can_admit)
+    check_top_p_filter(top_p_filter)
+    assert "✓" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match="shared"):  # forgets that blocks in use by others cost nothing
+        check_can_admit(lambda **a: a["prompt_blocks"] <= a["free_blocks"] and a["running"] < a["max_num_seqs"])
+    with pytest.raises(ExerciseFailed, match="top_p_filter"):  # keeps one token too many at the boundary
+        check_top_p_filter(lambda p, t: top_p_filter(p, torch.clamp(t + 1e-3, max=1.0)))
+
+
+def test_simulated_arrivals_never_overfill_the_pool():
+    from lessonlib.engine.lesson import simulate
+
+    records = simulate(arrival_rate=0.4, block_size=16, num_blocks=64, steps=300, seed=random.randrange(1000))
+    assert max(r.blocks_used for r in records) <= 64
+    assert records[-1].preemptions > 0 and max(r.blocks_reserved for r in records) > 64  # the point of paging
+    assert records[-1].cached_tokens > 0
