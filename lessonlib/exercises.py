@@ -343,3 +343,311 @@ def check_refresh_static_inputs(fn) -> None:
         if result is not None:
             raise ExerciseFailed("refresh_static_inputs: work in place and return None")
     print("refresh_static_inputs: new values in the captured tensors, every address unchanged")
+
+
+# =================================================================================================================
+# Kernel exercises (issue 15): the student writes the kernels. Each exercise has a launcher (given: it validates
+# the inputs and launches the student's @triton.jit kernel), a checker that runs it on odd shapes with outputs
+# poisoned, and a diagnosis: when the output is wrong, the checker compares it with what known mistakes produce
+# (computed in float64 PyTorch) and names the mistake it matches. A stub compiles (its body is `pass`) and leaves
+# the output NaN or zero: both are reported as "not implemented yet".
+# =================================================================================================================
+
+
+def _not_implemented_output(name: str, out: torch.Tensor, truth: torch.Tensor) -> None:
+    """An all-zero output where the truth is not zero: the state a stub leaves (acc = 0, or nothing loaded)."""
+    if out.numel() and not out.isnan().any() and not out.any() and truth.abs().max() > 0:
+        raise ExerciseFailed(f"{name}: not implemented yet: your kernel wrote zeros everywhere (the state it starts "
+                             "from). Fill in the part marked YOUR CODE HERE.")
+
+
+def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str) -> None:
+    """Pass if ``out`` is within the tolerance rule of ``truth``; else name the first known mistake whose float64
+    output ``out`` matches (within the same tolerance) and which differs from the truth, else report the error.
+    ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure)."""
+    try:
+        check_close(name, out, truth, low)
+        return
+    except AssertionError as e:
+        failure = str(e)
+    if out.isnan().any():
+        raise ExerciseFailed(f"{failure}\n  on {where}")
+    from lessonlib.testing import tolerance
+
+    allowed = tolerance(truth, low.cpu(), out.dtype)
+    got = out.detach().double().cpu()
+    for explanation, wrong in (mistakes() if callable(mistakes) else mistakes):
+        wrong = wrong.detach().double().cpu()
+        off = (wrong - truth.cpu()).abs().max().item()
+        # A mistake's own low-precision error is not known: allow 4x the truth's tolerance and 2% of how far the
+        # mistake lies from the truth, far closer than any other wrong answer comes.
+        if off > allowed and (got - wrong).abs().max().item() <= 4 * allowed + 0.02 * off:
+            raise ExerciseFailed(f"{name}: wrong values on {where}. They are what {explanation}")
+    raise ExerciseFailed(f"{failure}\n  on {where}")
+
+
+# --- 1. The FlashAttention forward kernel (notebook 02) ----------------------------------------------------------
+
+
+def flash_forward_config() -> dict:
+    """Tiles for the exercise kernel: 16 x 16 in the interpreter (cheap steps, and shapes of 45 or 100 keys span
+    several tiles); 32 x 32 on a GPU, still several tiles on the checker's shapes (the rescale must be exercised)."""
+    if runtime.on_gpu():
+        return dict(BLOCK_M=32, BLOCK_N=32, num_warps=4)
+    return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
+
+
+def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+                  config: dict | None = None) -> torch.Tensor:
+    """Launch the exercise's forward kernel: one program per (query tile, batch x head), as lessonlib's kernel.
+
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs are made
+    contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out like q."""
+    import triton
+
+    from lessonlib.ops._common import launch
+    from lessonlib.ops.flash_attention import check_inputs
+
+    check_inputs(q, k, v)
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    batch, heads, n_q, head_dim = q.shape
+    config = config or flash_forward_config()
+    out = torch.empty_like(q)
+    grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
+    launch(kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
+           CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
+    return out
+
+
+def _attention_masked(q, k, v, visible: torch.Tensor, scale: float | None = None, kv_index=None):
+    """float64 attention with an explicit (Nq, Nkv) visibility mask; a row that sees nothing gives 0.
+    ``kv_index``: the KV head each query head reads (default: h // group)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if kv_index is None:
+        kv_index = torch.arange(heads) // (heads // kv_heads)
+    k, v = k[:, kv_index], v[:, kv_index]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible.to(scores.device), float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v
+
+
+def _flash_forward_without_rescale(q, k, v, visible, block_n: int, rescale_acc: bool, rescale_l: bool):
+    """The tile loop in float64 with acc and/or l never multiplied by alpha = exp(m_old - m_new)."""
+    kv_index = torch.arange(q.shape[1]) // (q.shape[1] // k.shape[1])
+    k, v = k[:, kv_index], v[:, kv_index]
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    scores = scores.masked_fill(~visible, float("-inf"))
+    m = torch.full(scores.shape[:-1], -1e30, dtype=scores.dtype)
+    l = torch.zeros_like(m)
+    acc = torch.zeros(*scores.shape[:-1], v.shape[-1], dtype=scores.dtype)
+    for start in range(0, scores.shape[-1], block_n):
+        s = scores[..., start:start + block_n]
+        m_new = torch.maximum(m, s.max(dim=-1).values)
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(s - m_new[..., None])
+        l = (l * alpha if rescale_l else l) + p.sum(-1)
+        acc = (acc * alpha[..., None] if rescale_acc else acc) + p @ v[..., start:start + block_n, :]
+        m = m_new
+    return acc / torch.where(l > 0, l, 1.0)[..., None]
+
+
+def _flash_forward_mistakes(q, k, v, causal: bool, block_n: int):
+    from lessonlib.reference import causal_mask
+
+    n_q, n_kv = q.shape[2], k.shape[2]
+    i, j = torch.arange(n_q)[:, None], torch.arange(n_kv)[None, :]
+    visible = causal_mask(n_q, n_kv) if causal else torch.ones(n_q, n_kv, dtype=torch.bool)
+    for rescale_acc, rescale_l, what in ((False, False, "never rescales acc nor l"), (False, True, "rescales l but not acc"),
+                                         (True, False, "rescales acc but not l")):
+        yield (f"a kernel that {what} when the running max grows gives: both were summed under the old max; "
+               "multiply l and acc by alpha = exp(m_old - m_new) before adding this tile",
+               _flash_forward_without_rescale(q, k, v, visible, block_n, rescale_acc, rescale_l))
+    yield ("scores without the 1/sqrt(D) scale give: multiply q @ k^T by sm_scale",
+           _attention_masked(q, k, v, visible, scale=1.0))
+    if causal:
+        offset = n_kv - n_q
+        yield ("attention without the causal mask gives: with CAUSAL, hide keys j > i + (Nkv - Nq) and stop the "
+               "loop there", _attention_masked(q, k, v, torch.ones_like(visible)))
+        yield ("a causal mask off by one (each query misses its own key, j < i + offset) gives: query i sees key "
+               "j exactly when j <= i + (Nkv - Nq)", _attention_masked(q, k, v, j < i + offset))
+        yield ("a causal mask off by one (each query also sees the next key, j <= i + offset + 1) gives: query i "
+               "sees key j exactly when j <= i + (Nkv - Nq)", _attention_masked(q, k, v, j <= i + offset + 1))
+        yield ("a causal mask aligned to the start (j <= i, ignoring Nkv - Nq) gives: the mask is aligned to the "
+               "end, query i sees keys j <= i + (Nkv - Nq)", _attention_masked(q, k, v, j <= i))
+        # The loop's bound: key tiles [0, hi) are visited, hi from the tile's last real row, whole tiles at a time.
+        # One short: where hi falls on a tile boundary, the tile's last row misses its diagonal key.
+        block_m = flash_forward_config()["BLOCK_M"]
+        last_row = torch.clamp((i // block_m + 1) * block_m, max=n_q) - 1
+        tile_hi = -(-torch.clamp(last_row + offset, 0, n_kv) // block_n) * block_n
+        yield ("a loop that stops one key early (hi = last row + offset, exclusive) gives: the tile's last real "
+               "query sees keys up to last row + offset inclusive, so hi = min(start_m + BLOCK_M, Nq) + Nkv - Nq",
+               _attention_masked(q, k, v, visible & (j < tile_hi)))
+    else:
+        padded = -(-n_kv // block_n) * block_n  # keys past the end loaded as 0 (score 0, value 0) and not masked
+        pad = (0, 0, 0, padded - n_kv)
+        yield ("a last key tile without a bounds mask gives: keys past Nkv were loaded as 0 and each still added "
+               "exp(0 - m) to l; set their scores to -inf",
+               _attention_masked(q, torch.nn.functional.pad(k, pad), torch.nn.functional.pad(v, pad),
+                                 torch.ones(n_q, padded, dtype=torch.bool)))
+
+
+FLASH_FORWARD_CASES = (  # (batch, heads, kv_heads, n_q, n_kv, head_dim, causal)
+    (1, 1, 1, 1, 1, 16, False),
+    (1, 2, 2, 7, 7, 16, True),
+    (1, 2, 2, 45, 45, 32, True),
+    (1, 2, 1, 100, 100, 16, True),  # GQA, several key tiles per query tile: the rescale matters
+    (1, 4, 1, 20, 67, 16, True),  # MQA, Nq < Nkv: new queries after a cached prefix
+    (1, 2, 2, 40, 9, 16, True),  # Nq > Nkv: the first 31 queries see no key (output 0)
+    (1, 2, 1, 45, 100, 32, False),  # a ragged last key tile, not hidden by a causal mask
+)
+
+
+def check_flash_forward_kernel(kernel) -> None:
+    """``kernel``: the exercise's @triton.jit forward kernel, launched by :func:`flash_forward`. Checked against
+    float64 attention on odd lengths (1, 7, 45, 100), GQA and MQA, causal with Nq != Nkv, in every dtype the
+    FlashAttention kernels take here, outputs poisoned; a wrong answer is matched against known mistakes."""
+    from lessonlib.ops.flash_attention import supported_dtypes
+
+    block_n = flash_forward_config()["BLOCK_N"]
+    for dtype in supported_dtypes():
+        for batch, heads, kv_heads, n_q, n_kv, head_dim, causal in FLASH_FORWARD_CASES:
+            q, k, v = _inputs((batch, heads, n_q, head_dim), (batch, kv_heads, n_kv, head_dim),
+                              (batch, kv_heads, n_kv, head_dim), dtype=dtype)
+            where = (f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {str(dtype).removeprefix('torch.')}, "
+                     f"causal={causal}")
+            out = _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=causal), (q, k, v))
+            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                raise ExerciseFailed(f"flash_forward returned {getattr(out, 'shape', out)!r}; expected {tuple(q.shape)}")
+            truth = reference.attention(*to_float64(q, k, v), causal=causal)
+            if out.isnan().all():
+                raise ExerciseFailed("flash_forward: not implemented yet: the kernel stored nothing (the output is "
+                                     "still NaN, as these checks fill it). Fill in the kernel body.")
+            _not_implemented_output("flash_forward", out, truth)
+            q64, k64, v64 = (t.cpu() for t in to_float64(q, k, v))
+            _diagnose("flash_forward", out, truth, reference.attention(q, k, v, causal=causal),
+                      lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where)
+    print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
+          "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
+          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}"
+          f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")
+
+
+# --- 2. The paged attention kernel's block-table walk (notebook 03) ----------------------------------------------
+
+
+def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                 seq_lens: torch.Tensor) -> torch.Tensor:
+    """Launch the exercise's decode kernel: one program per (sequence, query head). Inputs as
+    ``lessonlib.reference.paged_attention``: q (B, H, D); caches (num_blocks, block_size, Hkv, D) contiguous with
+    block_size and D powers of two (tl.arange needs them); block_table (B, max_blocks) int32; seq_lens (B,) int32,
+    each at least 1. Validated as lessonlib's kernel validates them, tables included. Returns (B, H, D)."""
+    from lessonlib.ops._common import launch
+    from lessonlib.ops.paged_attention import check_inputs
+
+    check_inputs(q, k_cache, v_cache, block_table, seq_lens)  # shapes, dtypes, devices, and the tables' range
+    q = q.contiguous()
+    batch, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, _ = k_cache.shape
+    out = torch.empty_like(q)
+    launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
+           block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
+           GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
+    return out
+
+
+def _paged_decode_with_rows(q, k_cache, v_cache, seq_lens, rows_of):
+    """float64 decode attention where token t of sequence b, query head h, reads cache row ``rows_of(b, h, t)`` of
+    the cache seen as (num_blocks * block_size * Hkv, D); a row outside the pool is skipped, as the kernel's
+    guarded load skips it."""
+    flat_k = k_cache.reshape(-1, k_cache.shape[-1])
+    flat_v = v_cache.reshape(-1, v_cache.shape[-1])
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        n = int(seq_lens[b])
+        for h in range(q.shape[1]):
+            rows = torch.tensor([rows_of(b, h, t) for t in range(n)], dtype=torch.int64)
+            inside = (rows >= 0) & (rows < flat_k.shape[0])
+            if inside.any():
+                rows = rows[inside]
+                p = torch.softmax(flat_k[rows] @ q[b, h] * q.shape[-1] ** -0.5, dim=0)
+                out[b, h] = p @ flat_v[rows]
+    return out
+
+
+def _paged_decode_mistakes(q, k_cache, v_cache, table, seq_lens):
+    _, block_size, kv_heads, _ = k_cache.shape
+    group = q.shape[1] // kv_heads
+
+    def rows(physical, head_of):
+        return lambda b, h, t: (physical(b, t // block_size) * block_size + t % block_size) * kv_heads + head_of(h)
+
+    def run(rows_of):
+        return _paged_decode_with_rows(q, k_cache, v_cache, seq_lens, rows_of)
+
+    def right(b, i):
+        return int(table[b, i])
+
+    yield ("a walk that uses the logical block index as the physical one gives: the table maps logical block i of "
+           "sequence b to its physical block: physical = block_table[b, i], loaded from the table",
+           run(rows(lambda b, i: i, lambda h: h // group)))
+    yield ("reading sequence 0's row of the block table for every sequence gives: sequence b's row starts at "
+           "block_table_ptr + b * max_blocks", run(rows(lambda b, i: int(table[0, i]), lambda h: h // group)))
+    yield ("every query head reading KV head 0 gives: add kv_head (= head // GROUP) to the row",
+           run(rows(right, lambda h: 0)))
+    if group > 1:
+        yield ("indexing the cache with the query head instead of its KV head gives: kv_head = head // GROUP",
+               run(rows(right, lambda h: h)))
+    yield ("a cache laid out as (num_blocks, Hkv, block_size, D) gives: the pool is (num_blocks, block_size, Hkv, "
+           "D), so a token's rows for all heads are adjacent: row = (physical * BLOCK_SIZE + t) * Hkv + kv_head",
+           run(lambda b, h, t: (right(b, t // block_size) * kv_heads + h // group) * block_size + t % block_size))
+    yield ("rows without the block size (physical + offset, not physical * BLOCK_SIZE + offset) give: a physical "
+           "block holds BLOCK_SIZE tokens",
+           run(lambda b, h, t: (right(b, t // block_size) + t % block_size) * kv_heads + h // group))
+
+
+PAGED_DECODE_CASES = (  # (batch, heads, kv_heads, head_dim, block_size, seq_lens); block sizes as lessonlib's kernel
+    (1, 1, 1, 16, 16, (1,)),
+    (3, 4, 2, 16, 16, (45, 17, 1)),  # lengths not multiples of the block size
+    (2, 8, 2, 32, 16, (33, 100)),
+    (2, 2, 1, 16, 32, (70, 5)),
+)
+
+
+def _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype, generator=None):
+    """A pool with 3 spare blocks, each sequence's blocks drawn at random from it (so no table is the identity)."""
+    device = runtime.device()
+    blocks = [-(-n // block_size) for n in lengths]
+    num_blocks = sum(blocks) + 3
+    order = torch.randperm(num_blocks)
+    max_blocks = max(blocks) + 1  # one unused column: a walk past the last block must not matter
+    table = torch.full((batch, max_blocks), -1, dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(blocks):
+        table[b, :n] = order[used:used + n].to(torch.int32)
+        used += n
+    k_cache, v_cache = _inputs(*[(num_blocks, block_size, kv_heads, head_dim)] * 2, dtype=dtype)
+    (q,) = _inputs((batch, heads, head_dim), dtype=dtype)
+    return q, k_cache, v_cache, table.to(device), torch.tensor(lengths, dtype=torch.int32, device=device)
+
+
+def check_paged_decode_kernel(kernel) -> None:
+    """``kernel``: the exercise's decode kernel (its block-table walk written by the student), launched by
+    :func:`paged_decode`. Checked against ``reference.paged_attention`` in float64 on shuffled tables, GQA, block
+    sizes 16 and 32, lengths 1 to 100 (not multiples of the block size), in every supported dtype."""
+    for dtype in runtime.supported_dtypes():
+        for batch, heads, kv_heads, head_dim, block_size, lengths in PAGED_DECODE_CASES:
+            args = _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype)
+            q, k_cache, v_cache, table, seq_lens = args
+            where = (f"{batch} sequences of {list(lengths)} tokens, {heads} query heads over {kv_heads} KV heads, "
+                     f"block_size {block_size}, {str(dtype).removeprefix('torch.')}, block table {table.tolist()}")
+            out = _call("paged_decode", lambda *a: paged_decode(kernel, *a), args)
+            truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
+            if out.isnan().all():
+                raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")
+            _not_implemented_output("paged_decode", out, truth)
+            cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
+            _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
+                      lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where)
+    print(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
+          "tables, GQA, block sizes 16 and 32, lengths 1-100), within tolerance of float64")
