@@ -1047,10 +1047,10 @@ def check_graph_safe_decode_step(fn) -> None:
                     "the same each step; let only tensor contents (lengths) change.")
         if runtime.on_gpu():
             _check_capture(fn, dtype)
-    where = ("and captured and replayed as a CUDA graph" if runtime.on_gpu() else
-             "(capture itself needs a GPU: run this on one for the full check)")
+    where = (", captured and replayed as a CUDA graph" if runtime.on_gpu() else
+             " (capture itself needs a GPU: run this on one for the full check)")
     print(f"graph_safe_decode_step: right values over {GRAPH_SAFE_STEPS} steps with ragged lengths, out reused, no host "
-          f"read, the same ops and shapes every step, {where}")
+          f"read, the same ops and shapes every step{where}")
 
 
 def _check_capture(fn, dtype) -> None:
