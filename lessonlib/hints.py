@@ -34,9 +34,9 @@ HINTS: dict[str, list[str]] = {
     "rope": [
         "Per token and head: out[:HALF] = x1 * cos[:HALF] - x2 * sin[:HALF] and out[HALF:] = x2 * cos[HALF:] + "
         "x1 * sin[HALF:], where x1 = x[:HALF], x2 = x[HALF:] (that is x * cos + rotate_half(x) * sin).",
-        "Addresses: token t's cos row starts at cos_ptr + t * 2 * HALF (D = 2 * HALF values); head h of token t "
-        "starts at x_ptr + (t * n_heads + h) * 2 * HALF. h is a column of BLOCK_H heads, d a row of BLOCK_HALF "
-        "columns: (h, d) addresses a whole tile at once.",
+        "Addresses: head h of token t starts at x_ptr + (t * n_heads + h) * 2 * HALF (D = 2 * HALF values per "
+        "head). h is a column of BLOCK_H heads, d a row of BLOCK_HALF columns: (h, d) addresses a whole tile at once; "
+        "the given cos1, cos2, sin1, sin2 have shape (1, BLOCK_HALF) and broadcast over the heads.",
         "Compute in float32 (.to(tl.float32) after each load) and convert once when storing "
         "(.to(out_ptr.dtype.element_ty)). Every load and store of x takes mask=(h < n_heads) & (d < HALF).",
     ],
