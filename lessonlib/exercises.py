@@ -973,7 +973,9 @@ GRAPH_SAFE_STEPS = 4  # steps checked: enough for every sequence's length and th
 
 def _graph_safe_problem(dtype, device):
     batch, heads, kv_heads, head_dim, capacity = 3, 4, 2, 16, 12
-    lengths = torch.tensor([0, 5, capacity - GRAPH_SAFE_STEPS - 1], dtype=torch.int64, device=device)  # ragged
+    # Ragged lengths; the longest stays inside the capacity for the GPU check's GRAPH_SAFE_STEPS + 2 steps (one eager,
+    # then replays): a position past the capacity would be an out-of-bounds write on the device.
+    lengths = torch.tensor([0, 5, capacity - GRAPH_SAFE_STEPS - 2], dtype=torch.int64, device=device)
     k_cache, v_cache = (torch.randn(batch, kv_heads, capacity, head_dim, device=device).to(dtype) for _ in range(2))
     new_inputs = [[torch.randn(shape, device=device).to(dtype)
                    for shape in ((batch, heads, head_dim), (batch, kv_heads, head_dim), (batch, kv_heads, head_dim))]
