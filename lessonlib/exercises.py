@@ -614,8 +614,9 @@ PAGED_DECODE_CASES = (  # (batch, heads, kv_heads, head_dim, block_size, seq_len
 )
 
 
-def _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype, generator=None):
-    """A pool with 3 spare blocks, each sequence's blocks drawn at random from it (so no table is the identity)."""
+def _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype):
+    """A pool with 3 spare blocks, each sequence's blocks drawn from it in random order (a walk that skips the
+    table reads other blocks)."""
     device = runtime.device()
     blocks = [-(-n // block_size) for n in lengths]
     num_blocks = sum(blocks) + 3
