@@ -1,0 +1,142 @@
+"""The kernel exercises of issue 15 (notebooks 02, 03, 05): the instructor's solution, taken from the notebook
+itself, passes its checker; the stub the student copy gets fails with "not implemented yet"; planted mistakes,
+each made by editing one line of the solution, fail with a message that names the mistake. Kept small for the
+interpreter: the checkers stop at the first failing case, which comes early for every planted mistake."""
+
+import linecache
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from lessonlib import exercises, hints, runtime
+from lessonlib.exercises import ExerciseFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+import make_student_notebooks as gen  # noqa: E402
+
+
+def solution_source(notebook: str, name: str) -> str:
+    """The source of the notebook cell that defines ``name`` (the exercise's solution cell)."""
+    cells = [c.source for c in nbformat.read(ROOT / "notebooks" / notebook, as_version=4).cells
+             if c.cell_type == "code" and f"def {name}(" in c.source]
+    assert len(cells) == 1, f"{notebook}: {len(cells)} cells define {name}"
+    return cells[0]
+
+
+# What the notebook has imported by the time the solution cell runs.
+PRELUDE = "import torch\nfrom lessonlib import exercises, reference\n"
+
+
+def define(source: str, name: str):
+    """Run a cell's source as the notebook would (registered with linecache, so Triton can read the kernel's source)."""
+    source = PRELUDE + source
+    filename = f"<exercise-cell-{abs(hash(source))}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def mutated(source: str, old: str, new: str) -> str:
+    assert source.count(old) == 1, f"the planted mistake no longer applies: {old!r}"
+    return source.replace(old, new)
+
+
+EXERCISES = {  # checker, notebook, name
+    "flash_forward": (exercises.check_flash_forward_kernel, "02_flash_attention.ipynb", "my_flash_forward_kernel"),
+    "paged_decode": (exercises.check_paged_decode_kernel, "03_paged_attention.ipynb", "my_paged_decode_kernel"),
+    "rope": (exercises.check_rope_kernel, "03_paged_attention.ipynb", "my_rope_kernel"),
+    "rope_store_kv": (exercises.check_rope_store_kv_kernel, "03_paged_attention.ipynb", "my_rope_store_kv_kernel"),
+    "graph_safe_decode_step": (exercises.check_graph_safe_decode_step, "05_cuda_graphs.ipynb",
+                               "my_graph_safe_decode_step"),
+}
+
+
+@pytest.mark.parametrize("exercise", EXERCISES)
+def test_solution_passes_and_stub_fails(exercise, capsys):
+    check, notebook, name = EXERCISES[exercise]
+    source = solution_source(notebook, name)
+    check(define(source, name))
+    assert f"{exercise}:" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        check(define(gen.strip_solutions(source), name))
+
+
+PLANTED = [  # exercise, (old line fragment, new), what the message must name
+    ("flash_forward", ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"), "rescales l but not acc"),
+    ("flash_forward", ("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum"), "rescales acc but not l"),
+    ("flash_forward", ("(cols[None, :] <= offs_m[:, None] + n_kv - n_q)", "(cols[None, :] < offs_m[:, None] + n_kv - n_q)"),
+     "causal mask off by one"),
+    ("flash_forward", ("tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q)", "tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q - 1)"),
+     "loop that stops one key early"),
+    ("flash_forward", ("visible = cols[None, :] < n_kv\n", "visible = cols[None, :] >= 0\n"), "without a bounds mask"),
+    ("paged_decode", ("rows = (physical * BLOCK_SIZE", "rows = (logical * BLOCK_SIZE"), "logical block index"),
+    ("paged_decode", ("block_table_ptr + seq * max_blocks + logical", "block_table_ptr + logical"), "sequence 0's row"),
+    ("paged_decode", ("* kv_heads + kv_head\n", "* kv_heads + head\n"), "query head instead of its KV head"),
+    ("rope", ("(x1 * cos1 - x2 * sin1)", "(x1 * cos1 + x2 * sin1)"), "first half computed as x1 \\* cos \\+ x2"),
+    ("rope", ("tl.store(out_ptr + row, ", "tl.store(out_ptr + row + HALF, "), "left some elements unwritten"),
+    ("rope", ("mask = (h < n_heads) & (d < HALF)", "mask = (h < n_heads) & (d < BLOCK_HALF)"), "past the end"),
+    ("rope_store_kv", ("(k2 * cos2 + k1 * sin2)", "(k2 * cos2 - k1 * sin2)"), "the K in the cache.*second half"),
+    ("rope_store_kv", ("cache_row = (slot * n_kv_heads", "cache_row = (token * n_kv_heads"), "belongs to another token"),
+    ("graph_safe_decode_step", ("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    return out.copy_(exercises.eager_decode_step(q, k_new, v_new, k_cache, v_cache, lengths))\n"),
+     "reads a tensor's value on the CPU"),
+    ("graph_safe_decode_step", ("    out.copy_(reference", "    out = torch.empty_like(out)\n    out.copy_(reference"), "not `out`"),
+    ("graph_safe_decode_step", ("    lengths += 1", "    lengths = lengths + 1"), "advance it in place"),
+    ("graph_safe_decode_step", ("rows = torch.arange(batch, device=q.device)", "rows = torch.tensor(list(range(batch)))"),
+     "builds a tensor from Python data"),
+    ("graph_safe_decode_step", ("<= lengths[:, None]", "< lengths[:, None]"), "max error"),
+]
+
+
+@pytest.mark.parametrize("exercise, edit, message", PLANTED, ids=[f"{p[0]}-{p[2][:30]}" for p in PLANTED])
+def test_planted_mistake_is_named(exercise, edit, message):
+    check, notebook, name = EXERCISES[exercise]
+    source = mutated(solution_source(notebook, name), *edit)
+    with pytest.raises(ExerciseFailed, match=message):
+        check(define(source, name))
+
+
+def test_graph_safe_step_whose_shapes_change_is_refused():
+    """A step with the right values and no host read, which also slices with a Python counter: its shapes change
+    every call, and a graph would replay the first call's shapes forever."""
+    check, notebook, name = EXERCISES["graph_safe_decode_step"]
+    source = mutated(solution_source(notebook, name), "    lengths += 1",
+                     "    CALLS.append(1)\n    k_cache[:, :, : len(CALLS)].sum()\n    lengths += 1")
+    with pytest.raises(ExerciseFailed, match="other operations than step 1"):
+        check(define("CALLS = []\n" + source, name))
+
+
+def test_launchers_refuse_bad_input_before_launching():
+    device, dtype = runtime.device(), runtime.supported_dtypes()[0]
+    q = torch.randn(1, 2, 5, 16, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="multiple"):
+        exercises.flash_forward(None, q, q[:, :1].expand(1, 3, 5, 16), q[:, :1].expand(1, 3, 5, 16))
+    x = torch.randn(3, 2, 8, device=device, dtype=dtype)
+    with pytest.raises(ValueError, match="cos and sin"):
+        exercises.rope(None, x, torch.randn(3, 6, device=device, dtype=dtype), torch.randn(3, 6, device=device, dtype=dtype))
+    cache = torch.randn(2, 4, 2, 8, device=device, dtype=dtype)
+    cos = torch.randn(3, 8, device=device, dtype=dtype)
+    slots = torch.tensor([0, 1, 1], device=device)
+    with pytest.raises(ValueError, match="distinct"):
+        exercises.rope_store_kv(None, x, x, x, cos, cos, cache, cache.clone(), slots)
+
+
+def test_hints_are_revealed_one_at_a_time(capsys):
+    for exercise, texts in hints.HINTS.items():
+        hints.hint(exercise, 1)
+        out = capsys.readouterr().out
+        assert f"Hint 1 of {len(texts)}" in out and texts[0] in out and (len(texts) == 1 or texts[1] not in out)
+    with pytest.raises(KeyError, match="no hints"):
+        hints.hint("nonexistent")
+    with pytest.raises(ValueError, match="hints 1 to"):
+        hints.hint("rope", 99)
+
+
+def test_rope_store_kv_bytes_counts_the_round_trip_of_k():
+    moved = exercises.rope_store_kv_bytes(tokens=10, heads=4, kv_heads=2, head_dim=8, itemsize=2)
+    k_bytes = 10 * 2 * 8 * 2
+    assert moved["separate"] - moved["fused"] == 2 * k_bytes  # k_rot written by apply_rope, read by store_kv
