@@ -213,7 +213,15 @@ def _file_of(obj):
 
 def _is_library(obj):
     """Defined in a file of an installed library (or lessonlib itself), not in a notebook cell or the scratch."""
-    return _is_library_file(_file_of(obj))
+    if _is_library_file(_file_of(obj)):
+        return True
+    # Code that a library made with exec (dataclasses' __init__, namedtuple's __new__): file "<string>", globals
+    # those of the library's module. exec in a notebook cell has the notebook's globals (__main__).
+    function = getattr(obj, "__func__", obj)
+    code, module = getattr(function, "__code__", None), sys.modules.get(getattr(function, "__module__", None) or "")
+    return (code is not None and code.co_filename.startswith("<") and module is not None
+            and module.__name__ != "__main__" and getattr(function, "__globals__", None) is vars(module)
+            and _is_library_file(getattr(module, "__file__", None)))
 
 
 def _is_library_file(path):
@@ -340,8 +348,9 @@ class NotebookReport:
     seconds: float = 0.0
 
 
-def _checker_name_pattern(exercises_: list[Exercise]) -> re.Pattern:
-    return re.compile(r"\b(" + "|".join(re.escape(e.checker_id) for e in exercises_) + r")\b")
+def _checker_call(exercises_: list[Exercise]) -> re.Pattern:
+    """A cell that is nothing but a call of one of the checkers: ``check_x(...)``."""
+    return re.compile(r"(" + "|".join(re.escape(e.checker_id) for e in exercises_) + r")\s*\(.*\)", re.S)
 
 
 def plan(submission: nbformat.NotebookNode, exercises_: list[Exercise]) -> tuple[list[str], dict[int, Exercise], list[str]]:
@@ -350,7 +359,7 @@ def plan(submission: nbformat.NotebookNode, exercises_: list[Exercise]) -> tuple
     lesson cells after it cannot change a grade. Returns (sources, {index: exercise checked there}, notes)."""
     by_checker = {e.checker_id: e for e in exercises_}
     by_solution = {e.solution_id: e for e in exercises_}
-    mentions = _checker_name_pattern(exercises_)
+    mentions = _checker_call(exercises_)
     cells: list[tuple[str, Exercise | None]] = [(PRELUDE, None)]  # (source, exercise checked by this cell)
     solution_cell: dict[str, int] = {}  # checker_id -> position in cells of the student's solution cell
     for cell in submission.cells:
@@ -360,8 +369,10 @@ def plan(submission: nbformat.NotebookNode, exercises_: list[Exercise]) -> tuple
         source = "".join(source) if isinstance(source, list) else str(source)
         meta = _nbgrader(cell)
         claimed = by_checker.get(meta.get("grade_id")) if meta.get("grade") or meta.get("locked") else None
-        named = [by_checker[m] for m in dict.fromkeys(mentions.findall(source))]
-        if claimed or named:  # a checker cell, or a cell that calls one: the pristine checker runs instead
+        code = "\n".join(line for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#"))
+        call = mentions.fullmatch(code.strip())
+        named = [by_checker[call.group(1)]] if call else []
+        if claimed or named:  # a checker cell, or a cell that only calls one: the pristine checker runs instead
             placed = {e.checker_id for _, e in cells if e}
             for exercise in dict.fromkeys(([claimed] if claimed else []) + named):
                 if exercise.checker_id not in placed:
@@ -576,52 +587,55 @@ def _points(value: float) -> str:
 
 
 def grade(submissions: Path, out: Path, course: Path = COURSE_NOTEBOOKS, limits: Limits | None = None,
-          keep_scratch: bool = False, log=print) -> Path:
+          keep_scratch: bool = False, jobs: int = 1, log=print) -> Path:
     """Grade every student folder in ``submissions``; write ``out/grades.csv``, ``out/feedback/`` and
-    ``out/graded/``. Returns the CSV's path."""
+    ``out/graded/``. ``jobs`` notebooks run at once (each in its own kernel). Returns the CSV's path."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
     limits = limits or Limits()
     submissions, out = Path(submissions).resolve(), Path(out).resolve()
     course_ex = course_exercises(Path(course))
-    students = sorted(p for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
+    students = sorted(p.name for p in submissions.iterdir() if p.is_dir() and not p.name.startswith("."))
     for stray in sorted(p for p in submissions.iterdir() if p.is_file()):
         log(f"ignored {stray.name}: put each student's notebooks in a folder named after the student")
-    found = {}
+    found: dict[tuple[str, str], Path] = {}  # (student, course notebook) -> submitted file
     for student in students:
-        found[student.name] = {}
-        for path in sorted(student.rglob("*.ipynb")):
-            if ".ipynb_checkpoints" in path.parts:
-                continue
+        for path in sorted((submissions / student).rglob("*.ipynb")):
             name = _match(path, course_ex)
-            if name and name not in found[student.name]:
-                found[student.name][name] = path
-    graded_names = [name for name in course_ex if any(name in f for f in found.values())]
+            if name and ".ipynb_checkpoints" not in path.parts:
+                found.setdefault((student, name), path)
+    graded_names = [name for name in course_ex if any(n == name for _, n in found)]
     columns = [e for name in graded_names for e in course_ex[name]]
-    total_jobs = sum(len(f) for f in found.values())
     out.mkdir(parents=True, exist_ok=True)
     (out / "feedback").mkdir(exist_ok=True)
-    rows, job = [], 0
-    log(f"grading {total_jobs} notebook(s) of {len(students)} student(s): {', '.join(graded_names) or 'none'}")
-    for student in students:
-        reports = []
-        for name in graded_names:
-            path = found[student.name].get(name)
-            if path is None:
-                reports.append(NotebookReport(name, [Outcome(e, 0.0, "not submitted") for e in course_ex[name]]))
-                continue
-            job += 1
-            log(f"[{job}/{total_jobs}] {student.name}: {path.relative_to(submissions)} ...")
-            scratch = out / "scratch" / student.name / Path(name).stem
+    log(f"grading {len(found)} notebook(s) of {len(students)} student(s): {', '.join(graded_names) or 'none'}")
+
+    def run(student: str, name: str) -> NotebookReport:
+        scratch = out / "scratch" / student / Path(name).stem
+        shutil.rmtree(scratch, ignore_errors=True)
+        report = grade_notebook(found[student, name], name, course_ex[name], scratch, limits,
+                                out / "graded" / student / name)
+        if not keep_scratch:
             shutil.rmtree(scratch, ignore_errors=True)
-            report = grade_notebook(path, name, course_ex[name], scratch, limits, out / "graded" / student.name / name)
-            if not keep_scratch:
-                shutil.rmtree(scratch, ignore_errors=True)
-            got = sum(o.points for o in report.outcomes)
-            log(f"[{job}/{total_jobs}] {student.name}: {name}: {_points(got)}/{_points(sum(e.points for e in course_ex[name]))} "
-                f"points in {report.seconds:.0f} s" + (f" ({report.notes[-1]})" if report.notes else ""))
-            reports.append(report)
-        points = {o.exercise.name: o.points for r in reports for o in r.outcomes}
-        rows.append([student.name] + [_points(points[e.name]) for e in columns] + [_points(sum(points.values()))])
-        _write_feedback(out / "feedback" / f"{student.name}.txt", student.name, reports)
+        return report
+
+    reports: dict[tuple[str, str], NotebookReport] = {}
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(run, *key): key for key in found}
+        for done, future in enumerate(as_completed(futures), 1):
+            student, name = futures[future]
+            report = reports[student, name] = future.result()
+            got, most = sum(o.points for o in report.outcomes), sum(e.points for e in course_ex[name])
+            log(f"[{done}/{len(found)}] {student}: {name}: {_points(got)}/{_points(most)} points in "
+                f"{report.seconds:.0f} s" + (f" ({report.notes[-1]})" if report.notes else ""))
+    rows = []
+    for student in students:
+        listed = [reports.get((student, name)) or NotebookReport(name, [Outcome(e, 0.0, "not submitted")
+                                                                        for e in course_ex[name]])
+                  for name in graded_names]
+        points = {o.exercise.name: o.points for r in listed for o in r.outcomes}
+        rows.append([student] + [_points(points[e.name]) for e in columns] + [_points(sum(points.values()))])
+        _write_feedback(out / "feedback" / f"{student}.txt", student, listed)
     if not keep_scratch:
         shutil.rmtree(out / "scratch", ignore_errors=True)
     csv_path = out / "grades.csv"
@@ -657,6 +671,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--notebook-timeout", type=float, default=Limits.notebook_timeout, help="seconds per notebook")
     parser.add_argument("--output-cap", type=int, default=Limits.output_cap, help="characters of output kept per cell")
     parser.add_argument("--keep-scratch", action="store_true", help="keep each run's working folder (out/scratch)")
+    parser.add_argument("--jobs", type=int, default=1, help="notebooks graded at once (one kernel each)")
     args = parser.parse_args(argv)
     if not args.submissions.is_dir():
         parser.error(f"{args.submissions} is not a folder")
@@ -664,7 +679,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"{args.course} is not a folder of instructor notebooks: pass --course")
     out = args.out or args.submissions.resolve().parent / f"{args.submissions.resolve().name}-graded"
     grade(args.submissions, out, args.course, Limits(args.cell_timeout, args.notebook_timeout, args.output_cap),
-          args.keep_scratch, log=lambda line: print(line, flush=True))
+          args.keep_scratch, args.jobs, log=lambda line: print(line, flush=True))
     return 0
 
 
