@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 VLLM   ?= auto
 BIN    := $(VENV)/bin
 
-.PHONY: setup lab test student-notebooks
+.PHONY: setup lab test student-notebooks grade
 
 setup:
 	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)" "$(VLLM)"
@@ -25,3 +25,9 @@ test:
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py
+
+# Grade a folder of submissions (one folder per student): grades.csv, feedback/ and graded/ in SUBMISSIONS-graded.
+# More options (time limits, --jobs, --out): $(BIN)/python -m lessonlib.grading --help
+grade:
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder"; exit 2; }
+	$(BIN)/python -m lessonlib.grading "$(SUBMISSIONS)" $(GRADE_OPTIONS)

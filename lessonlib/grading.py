@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import csv
 import json
 import os
@@ -295,10 +296,11 @@ def check(exercise, source, namespace):
         exercises = importlib.import_module("lessonlib.exercises")
         scope = dict(namespace)
         for name in dir(exercises):
-            if name.startswith("check_"):
+            checker = getattr(exercises, name)
+            if name.startswith("check_") and getattr(checker, "__module__", None) == "lessonlib.exercises":
                 if name in namespace and getattr(namespace[name], "__module__", None) != "lessonlib.exercises":
                     print(f"(note: {name} was redefined in the notebook; lessonlib's own {name} ran)")
-                scope[name] = getattr(exercises, name)
+                scope[name] = checker
         exec(compile(source, f"<checker of {exercise}>", "exec"), scope)
     finally:
         for name in [name for name in sys.modules if _fresh(name)]:
@@ -481,11 +483,15 @@ def _run_cells(sources: list[str], workdir: Path, scratch: Path, limits: Limits)
                     # An interrupted kernel that stays busy (a loop that catches KeyboardInterrupt, C code) would
                     # time out every later cell: probe it, and stop if it does not answer.
                     client.timeout = max(1, int(limits.busy_grace))
+                    notebook.cells.append(nbformat.v4.new_code_cell("pass"))  # nbclient stores a cell by index
+                    probe = len(notebook.cells) - 1
                     try:
-                        await client.async_execute_cell(nbformat.v4.new_code_cell("pass"), -1)
+                        await client.async_execute_cell(notebook.cells[probe], probe)
                     except DeadKernelError:
-                        replies[-1] = {"content": {"ename": "CellTimeout"}}
-                    if timed_out(-1):
+                        replies[probe] = {"content": {"ename": "CellTimeout"}}
+                    finally:
+                        notebook.cells.pop()
+                    if timed_out(probe):
                         notes.append("stopped: the kernel stayed busy after the interrupt and was killed")
                         return
 
@@ -500,6 +506,7 @@ def _run_cells(sources: list[str], workdir: Path, scratch: Path, limits: Limits)
         asyncio.run(run_and_stop())
     except Exception as e:  # a kernel that could not start, a broken connection: grade what ran
         notes.append(f"stopped: {type(e).__name__}: {str(e)[:300]}")
+    atexit.unregister(client._cleanup_kernel)  # nbclient's exit hook for this kernel: already shut down
     return notebook, status, notes
 
 

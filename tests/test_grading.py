@@ -127,7 +127,11 @@ def trimmed_run(tmp_path_factory):
             "import sys, types\nsys.modules['lessonlib.exercises'] = types.SimpleNamespace(\n"
             "    check_free_sequence=lambda fn: print('correct'))\n" + cell(stub, "my_free_sequence").source)),
         # A notebook that misbehaves: graded for what ran.
-        "hangs": edited(instructor, my_free_sequence="while True:\n    pass\n"),
+        "hangs": edited(instructor, my_free_sequence=(  # interrupted at the cell limit; the notebook goes on
+            "def my_free_sequence(table, ref_counts, free_blocks):\n    while True:\n        pass\n")),
+        "hangs_hard": edited(instructor, my_free_sequence=(  # ignores the interrupt: the kernel is killed
+            "import time\nwhile True:\n    try:\n        time.sleep(0.1)\n    except KeyboardInterrupt:\n"
+            "        pass\n")),
         "exits": edited(instructor, my_free_sequence="import os\nos._exit(1)\n"),
         "floods": edited(instructor, my_physical_slot=right["my_physical_slot"] + (
             "\n\nfor _ in range(50_000):\n    print('x' * 1000)\n")),  # 50 MB
@@ -164,6 +168,7 @@ def test_grades_csv_says_exactly_what_was_expected(trimmed_run):
         ["fake_module", "1", "0", "1"],
         ["floods", "1", "2", "3"],
         ["hangs", "1", "0", "1"],
+        ["hangs_hard", "1", "0", "1"],
         ["instructor", "1", "2", "3"],
         ["missing_cells", "0", "2", "2"],
         ["patched_lessonlib", "1", "0", "1"],
@@ -175,7 +180,7 @@ def test_grades_csv_says_exactly_what_was_expected(trimmed_run):
         ["wrong_free_sequence", "1", "0", "1"],
         ["wrong_physical_slot", "0", "2", "2"],
     ]
-    assert any(line.startswith("[15/15]") for line in lines), lines  # progress, one line per notebook
+    assert any(line.startswith("[16/16]") for line in lines), lines  # progress, one line per notebook
 
 
 def test_feedback_quotes_each_checker(trimmed_run):
@@ -202,7 +207,10 @@ def test_tampering_is_named_in_the_feedback(trimmed_run):
 
 def test_misbehaving_notebooks_are_graded_for_what_ran(trimmed_run):
     out, _, _, subs = trimmed_run
-    assert "did not finish within the grader's limit of 40 s" in feedback(out, "hangs")
+    assert "free_sequence: 0/2  the check did not finish within the grader's limit of 40 s" in feedback(out, "hangs")
+    hard = feedback(out, "hangs_hard")
+    assert "ran past 40 s and was interrupted" in hard and "stayed busy after the interrupt and was killed" in hard
+    assert "free_sequence: 0/2  not graded: the notebook stopped before this check" in hard
     assert "the kernel died" in feedback(out, "exits")
     assert "not a valid notebook" in feedback(out, "truncated")
     graded = out / "graded" / "floods" / PAGED
