@@ -16,28 +16,31 @@ solutions as nbgrader's ``generate_assignment`` does (:func:`configure_nbgrader`
 
 **How a submission is graded.** Each notebook runs headless in a fresh kernel (nbclient) whose working directory,
 ``HOME`` and ``TMPDIR`` are a scratch folder of the grader's, with a time limit per cell and per notebook and a
-cap on the output kept per cell. The student's cells run in their order, except checker cells: every cell that is
-(or claims, by metadata, or calls, by name) a checker is replaced by the instructor's pristine checker, placed
-where the student's checker cell was, or right after the student's solution cell when the checker cell was deleted.
-The pristine checker runs with ``lessonlib``'s checking modules imported fresh from disk (the student's imported
-copies are set aside, then put back), so a checker cell that was edited or deleted, a ``check_x`` redefined in the
-notebook, or a patched ``lessonlib.exercises``/``lessonlib.testing`` changes nothing. Before each check the grader
-also looks for tampering: a function of ``lessonlib``, of ``torch`` (``torch``, ``torch.Tensor``,
-``torch.nn.functional``, ``torch.testing``, ``torch.linalg``), of ``builtins``, ``math`` or ``random``, or an
-import hook, that was replaced since the kernel started by code that is not an installed library's (a lambda or
-``def`` from a notebook cell, a builtin swapped for another, a fake module in ``sys.modules``). Tampering gives no
-points for every exercise checked after it, with what was replaced in the feedback. An exercise gets its points
-when its pristine checker cell finishes without an error; its message is the checker's last line (or its error).
-A notebook that hangs (interrupted at the cell limit; killed when it stays busy), kills its kernel, raises, prints
-megabytes (cut at the cap), is not valid JSON or has lost cells is graded for what ran, with the reason in the
-feedback; the other notebooks and students are graded as usual.
+cap on the output kept per cell. The student's cells run in their order, except checker cells: every cell that is one
+(by its nbgrader metadata) or is nothing but a checker call is replaced by the instructor's pristine checker, which
+also runs right after the student's solution cell when the checker cell was deleted. Lesson cells after the last
+checker are not run: they cannot change a grade. The pristine checker runs with ``lessonlib``'s checking modules
+imported fresh from disk (the student's imported copies are set aside, then put back), so a checker cell that was
+edited or deleted, a ``check_x`` redefined in the notebook, or a patched ``lessonlib.exercises`` or
+``lessonlib.testing`` changes nothing. Before each check the grader also looks for tampering: a function of
+``lessonlib``, of ``torch`` (``torch``, ``torch.Tensor``, ``torch.nn.functional``, ``torch.testing``,
+``torch.linalg``), of ``builtins``, ``math`` or ``random``, or an import hook, replaced since the kernel started by
+code that is not an installed library's (a lambda or ``def`` from a notebook cell, an object of a class defined
+there, a fake module in ``sys.modules``). Tampering gives no points for every exercise checked after it, and the
+feedback names what was replaced. An exercise gets its points when its pristine checker cell finishes without an
+error; its message is the checker's last line (or its error). A notebook that hangs (interrupted at the cell limit;
+killed when it stays busy), kills its kernel, raises, prints megabytes (cut at the cap), is not valid JSON or has
+lost cells is graded for what ran, with the reason in the feedback; the other notebooks and students are graded as
+usual.
 
 **Not defended** (the threat is a student who wants a check to pass without solving the exercise, by editing or
 shadowing checks or by patching what they call; not an attack on the grader itself, which runs in the same Python
 process as the student's code): code that finds the grader's own functions in the kernel and edits them or their
-snapshot, rewrites frames or code objects, or patches with a function defined inside an installed library; files
-written by absolute path outside the scratch folder (use a container or a separate user for untrusted code);
-a solution that calls ``lessonlib.reference`` or ``lessonlib.ops`` (not tampering, but the instructor reads code).
+snapshot, rewrites frames or code objects, or patches with a C function or a function of an installed library
+(``torch.allclose = torch.equal``: library code is trusted, so that libraries may wrap torch's functions);
+patches of modules other than those listed; files written by absolute path outside the scratch folder (grade
+untrusted work in a container or as a separate user); a solution that calls ``lessonlib.reference`` or
+``lessonlib.ops`` (not tampering: the instructor reads the code in ``graded/``).
 """
 
 from __future__ import annotations
@@ -183,7 +186,7 @@ def configure_nbgrader(c) -> None:
 # not depend on anything the student's code can replace before it runs (the prelude runs before any student cell).
 
 KERNEL_SIDE = r'''
-import builtins, importlib, math, os, random, sys, types
+import builtins, functools, importlib, math, os, random, sys, types
 
 import torch
 import torch.nn.functional
@@ -212,8 +215,20 @@ def _file_of(obj):
     return None
 
 
+C_CODE = (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType, types.MethodWrapperType,
+          types.MethodDescriptorType, types.ClassMethodDescriptorType)
+
+
 def _is_library(obj):
-    """Defined in a file of an installed library (or lessonlib itself), not in a notebook cell or the scratch."""
+    """Defined in a file of an installed library (or lessonlib itself), not in a notebook cell or the scratch.
+    C functions count as a library's (a notebook cannot write one); a partial by what it wraps; any other callable
+    object by its class."""
+    if isinstance(obj, C_CODE):
+        return True
+    if isinstance(obj, functools.partial):
+        return _is_library(obj.func)
+    if not isinstance(obj, (type, types.FunctionType, types.MethodType)):
+        return _is_library(type(obj))
     if _is_library_file(_file_of(obj)):
         return True
     # Code that a library made with exec (dataclasses' __init__, namedtuple's __new__): file "<string>", globals
@@ -352,10 +367,11 @@ class NotebookReport:
 
 def _checker_call(exercises_: list[Exercise]) -> re.Pattern:
     """A cell that is nothing but a call of one of the checkers: ``check_x(...)``."""
-    return re.compile(r"(" + "|".join(re.escape(e.checker_id) for e in exercises_) + r")\s*\(.*\)", re.S)
+    return re.compile(r"(" + "|".join(re.escape(e.checker_id) for e in exercises_) + r")\s*\([^\n]*\)")
 
 
-def plan(submission: nbformat.NotebookNode, exercises_: list[Exercise]) -> tuple[list[str], dict[int, Exercise], list[str]]:
+def plan(submission: nbformat.NotebookNode,
+         exercises_: list[Exercise]) -> tuple[list[str], dict[int, Exercise], list[str]]:
     """The cells to run: the prelude, the student's code cells in order, every checker cell replaced by the
     pristine one (a deleted checker goes after its solution cell, or at the end). Stops after the last checker:
     lesson cells after it cannot change a grade. Returns (sources, {index: exercise checked there}, notes)."""
@@ -390,7 +406,7 @@ def plan(submission: nbformat.NotebookNode, exercises_: list[Exercise]) -> tuple
     for exercise in exercises_:
         if exercise.checker_id in placed:
             continue
-        where = next((i for i, (_, e) in enumerate(cells) if e is None and solution_cell.get(exercise.checker_id) == i), None)
+        where = solution_cell.get(exercise.checker_id)
         notes.append(f"{exercise.name}: the checker cell was missing; the instructor's ran "
                      + ("after your solution cell" if where is not None else "at the end (no solution cell found)"))
         insert_at = len(cells) if where is None else where + 1

@@ -4,6 +4,7 @@
     python tools/make_student_notebooks.py --check  # exit 1 if the committed copies are out of date
     python tools/make_student_notebooks.py --nbgrader-course DIR [NOTEBOOK ...]
                                                     # an nbgrader course folder: DIR/source/<lesson>/, config
+    python tools/make_student_notebooks.py --mark-exercises   # nbgrader metadata for new exercises
 
 Solutions sit in the instructor notebooks between ``### BEGIN SOLUTION`` and ``### END SOLUTION`` (nbgrader's
 markers), and the exercise cells carry nbgrader's metadata; :mod:`lessonlib.grading` holds the rules
@@ -66,12 +67,50 @@ def nbgrader_course(folder: Path, notebooks: list[Path]) -> list[str]:
     return assignments
 
 
+CHECK_CALL = re.compile(r"^(check_\w+)\((my_\w+)\)\s*$")
+
+
+def mark_exercises(path: Path, points: float = 1) -> list[str]:
+    """Give nbgrader's metadata to the exercise cells of an instructor notebook that lack it: the solution cell
+    (grade_id: the ``my_...`` function it defines) and the checker cell ``check_x(my_x)`` under it (grade_id:
+    ``check_x``, ``points``). Cells that have metadata keep it. Returns the exercises marked."""
+    notebook = nbformat.read(path, as_version=4)
+    marked, solution = [], None
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        if BEGIN in cell.source:
+            solution = cell
+        call = CHECK_CALL.match(cell.source.strip())
+        if not call or "nbgrader" in cell.metadata:
+            continue
+        checker, function = call.groups()
+        if solution is None or f"def {function}(" not in solution.source:
+            raise ValueError(f"{path.name}: {checker}({function}) has no solution cell defining {function} above it")
+        solution.metadata.setdefault("nbgrader", {"grade": False, "grade_id": function, "locked": False,
+                                                  "schema_version": 3, "solution": True, "task": False})
+        cell.metadata["nbgrader"] = {"grade": True, "grade_id": checker, "locked": True, "points": points,
+                                     "schema_version": 3, "solution": False, "task": False}
+        marked.append(checker)
+    if marked:
+        nbformat.write(notebook, path)
+    return marked
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if notebooks/student is out of date")
     parser.add_argument("--nbgrader-course", type=Path, metavar="DIR", help="write an nbgrader course folder")
+    parser.add_argument("--mark-exercises", action="store_true",
+                        help="give nbgrader's metadata (1 point each) to exercise cells of the instructor notebooks "
+                             "that lack it; change points in the checker cell's metadata")
     parser.add_argument("notebooks", nargs="*", type=Path, help="with --nbgrader-course: these lessons only")
     args = parser.parse_args()
+    if args.mark_exercises:
+        for path in sources():
+            for checker in mark_exercises(path):
+                print(f"{path.name}: marked {checker}")
+        return 0
     if args.nbgrader_course:
         names = nbgrader_course(args.nbgrader_course, [p.resolve() for p in args.notebooks] or sources())
         print(f"wrote {args.nbgrader_course}/nbgrader_config.py and source/ for: {', '.join(names)}")
