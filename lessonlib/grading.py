@@ -366,8 +366,10 @@ class NotebookReport:
 
 
 def _checker_call(exercises_: list[Exercise]) -> re.Pattern:
-    """A cell that is nothing but a call of one of the checkers: ``check_x(...)``."""
-    return re.compile(r"(" + "|".join(re.escape(e.checker_id) for e in exercises_) + r")\s*\([^\n]*\)")
+    """A cell that is nothing but a checker call on the student's function: ``check_x(my_x)``. (A lesson cell
+    such as ``check_swiglu(ops.swiglu)``, the checker run on lessonlib's own kernel, is a lesson cell.)"""
+    calls = [rf"({re.escape(e.checker_id)})\s*\(\s*{re.escape(e.solution_id)}\s*\)" for e in exercises_]
+    return re.compile("|".join(calls))
 
 
 def plan(submission: nbformat.NotebookNode,
@@ -389,7 +391,7 @@ def plan(submission: nbformat.NotebookNode,
         claimed = by_checker.get(meta.get("grade_id")) if meta.get("grade") or meta.get("locked") else None
         code = "\n".join(line for line in source.splitlines() if line.strip() and not line.lstrip().startswith("#"))
         call = mentions.fullmatch(code.strip())
-        named = [by_checker[call.group(1)]] if call else []
+        named = [by_checker[next(g for g in call.groups() if g)]] if call else []
         if claimed or named:  # a checker cell, or a cell that only calls one: the pristine checker runs instead
             placed = {e.checker_id for _, e in cells if e}
             for exercise in dict.fromkeys(([claimed] if claimed else []) + named):

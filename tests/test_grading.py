@@ -104,6 +104,25 @@ def test_every_exercise_has_nbgrader_metadata():
         validator.validate_nb(read(name))
 
 
+@pytest.mark.parametrize("name", sorted(grading.course_exercises(NOTEBOOKS)))
+def test_plan_runs_each_pristine_checker_right_after_its_solution(name):
+    """In the instructor notebook, its student copy, and a copy whose checker cells lost their metadata, each
+    exercise is checked once, by the pristine checker, right after the cell defining the student's function; lesson
+    cells that run a checker on lessonlib's own kernel (``check_swiglu(ops.swiglu)``) stay lesson cells."""
+    listed = grading.course_exercises(NOTEBOOKS)[name]
+    stripped = grading.student_copy(read(name))
+    for c in stripped.cells:
+        if c.metadata.get("nbgrader", {}).get("grade"):
+            del c.metadata["nbgrader"]
+    for notebook in (read(name), grading.student_copy(read(name)), stripped):
+        sources, checks, notes = grading.plan(notebook, listed)
+        assert sorted(e.name for e in checks.values()) == sorted(e.name for e in listed) and not notes
+        for index, exercise in checks.items():
+            assert sources[index] == grading.checker_cell(exercise)
+            assert f"def {exercise.solution_id}(" in sources[index - 1]
+        assert len(sources) == max(checks) + 1  # nothing after the last check runs
+
+
 @pytest.fixture(scope="module")
 def trimmed_run(tmp_path_factory):
     """One grading run of trimmed notebook 03 over every kind of submission the issue lists."""
