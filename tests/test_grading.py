@@ -104,6 +104,13 @@ def test_every_exercise_has_nbgrader_metadata():
         validator.validate_nb(read(name))
 
 
+def test_readme_lists_every_exercise():
+    section = (ROOT / "README.md").read_text().split("## For instructors", 1)[1].split("\n## ", 1)[0]
+    missing = [e.name for listed in grading.course_exercises(NOTEBOOKS).values() for e in listed
+               if f"`{e.name}`" not in section]
+    assert not missing, f"README.md's For instructors table lacks {missing}"
+
+
 @pytest.mark.parametrize("name", sorted(grading.course_exercises(NOTEBOOKS)))
 def test_plan_runs_each_pristine_checker_right_after_its_solution(name):
     """In the instructor notebook, its student copy, and a copy whose checker cells lost their metadata, each
