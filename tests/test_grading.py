@@ -355,3 +355,18 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
         for assignment, most in (("03_paged_attention", 3), ("05_cuda_graphs", 1)):
             assert gradebook.find_submission(assignment, "alice").score == most
             assert gradebook.find_submission(assignment, "bob").score == 0
+
+
+def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
+    """The per-notebook limit holds even when no single cell reaches the per-cell one."""
+    instructor = trimmed(PAGED)
+    course = write(tmp_path / "course", instructor).parent
+    slow = edited(instructor, my_physical_slot=cell(instructor, "my_physical_slot").source + (
+        "\n\nimport time\ntime.sleep(3600)\n"))
+    write(tmp_path / "subs" / "slow", slow)
+    limits = grading.Limits(cell_timeout=3600, notebook_timeout=25)
+    csv_path = grading.grade(tmp_path / "subs", tmp_path / "out", course, limits, log=lambda line: None)
+    assert grades(csv_path)[1] == ["slow", "0", "0", "0"]
+    text = feedback(tmp_path / "out", "slow")
+    assert "the check did not finish" in text or "not graded: the notebook stopped before this check" in text
+    assert "ran past" in text
