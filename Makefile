@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 VLLM   ?= auto
 BIN    := $(VENV)/bin
 
-.PHONY: setup lab test student-notebooks relink
+.PHONY: setup lab test student-notebooks relink grade
 
 setup:
 	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)" "$(VLLM)"
@@ -30,3 +30,9 @@ student-notebooks:
 # A fork re-points them all: make relink REPO=https://github.com/me/fork
 relink:
 	$(BIN)/python tools/course_links.py $(if $(REPO),--repo "$(REPO)")
+
+# Grade a folder of submissions (one folder per student): grades.csv, feedback/ and graded/ in SUBMISSIONS-graded.
+# More options (time limits, --jobs, --out): $(BIN)/python -m lessonlib.grading --help
+grade:
+	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder"; exit 2; }
+	$(BIN)/python -m lessonlib.grading "$(SUBMISSIONS)" $(GRADE_OPTIONS)

@@ -105,3 +105,19 @@ def test_stubs_fail_their_checks(path):
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"checks failed: {expected}" in result.stdout
     assert result.stdout.count("not implemented yet") == expected, result.stdout
+
+
+@pytest.mark.parametrize("path", [p for p in SOURCES if solution_lines(p)], ids=lambda p: p.name)
+def test_student_copies_keep_nbgrader_metadata_and_lock_the_checkers(path):
+    """A submission names its exercises by nbgrader's grade_id (the grader pairs cells by it), and JupyterLab
+    refuses to delete a solution cell or to edit or delete a checker cell, as in nbgrader's release."""
+    student = nbformat.read(gen.STUDENT_DIR / path.name, as_version=4)
+    marked = [c for c in student.cells if "nbgrader" in c.metadata]
+    assert marked and len(marked) == 2 * len(gen.exercises(nbformat.read(path, as_version=4), path.name))
+    for c in marked:
+        if c.metadata.nbgrader["solution"]:
+            assert c.metadata["deletable"] is False and "editable" not in c.metadata
+            assert "# YOUR CODE HERE" in c.source
+        else:
+            assert c.metadata["deletable"] is False and c.metadata["editable"] is False
+            assert CHECK_CALL.fullmatch(c.source.strip())
