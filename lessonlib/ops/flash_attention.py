@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch
+from lessonlib.ops._common import check_tensors, first_that_fits, launch
 
 HEAD_DIMS = (16, 32, 64, 128)
+SM75_EXTRA = 0  # see forward_shared_memory
 LOG2E = 1.4426950408889634
 
 
@@ -268,27 +269,93 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(d for d in (torch.float16, torch.bfloat16) if d in runtime.supported_dtypes())
 
 
-def forward_config(head_dim: int) -> dict:
-    """Tile sizes and warps for the forward kernel. In the interpreter, small tiles keep each step cheap."""
-    if not runtime.on_gpu():
+# Configurations, best first: each launcher takes the first whose shared memory fits the GPU (runtime.gpu_profile()).
+# The order is the H200 sweep's (benchmarks/bench_flash_attention.py, lessonlib/results/flash-attention-h200.json,
+# D=128 non-causal: 128x128/8 warps/3 stages 500 TFLOP/s, 128x64/8/3 476, 64x64/4/3 473, 64x64/4/2 436), so a
+# Hopper GPU keeps the tuned first rung and a smaller GPU the fastest of the rest that fits; the smaller GPUs were not
+# swept. Rungs are (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FORWARD_LADDER = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),  # H200 at D=64: 64x64, four programs per SM
+    128: ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),
+}
+# sm_75 (T4): Triton 3.x lowers tl.dot to FMA there, no tensor cores. Compiled for sm_75 with Triton 3.9
+# (tools/compile_targets.py --registers), every tile of 64x64 and up uses all 255 registers and spills; no stage is
+# pipelined (no cp.async), so num_stages only adds nothing. The rungs below are the largest tiles that compile
+# without spills (FORWARD_LADDER_SM75_EVIDENCE).
+FORWARD_LADDER_SM75 = {
+    64: ((64, 32, 4, 1), (32, 32, 4, 1)),
+    128: ((64, 32, 4, 1), (32, 32, 4, 1)),
+}
+# The dK/dV kernel keeps a key tile (BLOCK_N) and streams query tiles (BLOCK_M) past it; the dQ kernel the other way
+# round, so the kept tile is the large one (as in Triton's fused-attention tutorial). H200 sweep at D=128: 32/64-row
+# tiles, 4 warps, 3 stages 330 TFLOP/s, 2 stages 314. Rungs: (small tile, large tile, num_warps, num_stages).
+BACKWARD_LADDER = ((32, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2))
+BACKWARD_LADDER_SM75 = ((16, 32, 4, 1),)
+
+
+def _rung(rung) -> dict:
+    block_m, block_n, num_warps, num_stages = rung
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
+    """Bytes of shared memory the forward kernel asks for with ``config`` on ``profile``'s architecture: an upper
+    bound, checked against the compiled kernels of every architecture by tests/ops/test_compile_targets.py.
+
+    The pipeliner keeps ``num_stages`` K and V tiles in flight on Hopper (async copies ahead of wgmma), one fewer on
+    Ampere and Ada (cp.async), and Q sits in shared memory beside them. Compiled at D=128, 3 stages, 128x128 tiles:
+    sm_90 3 x 64 KB + 32 KB = 224 KB, sm_80 2 x 64 KB + 32 KB = 160 KB, both exactly the formula. Below Hopper, tiles
+    of 64 query rows or fewer also pass P through shared memory on its way into the second product (compiled sm_80,
+    D=128, 64x64, 3 stages: 88 KB = 2 x 32 + 16 + 8); at 128 rows the compiled kernels need no extra buffer for it.
+    sm_75 has no async copy: one K and one V tile, plus Q and P."""
+    kv = 2 * config["BLOCK_N"] * head_dim * itemsize
+    q = config["BLOCK_M"] * head_dim * itemsize
+    p = config["BLOCK_M"] * config["BLOCK_N"] * itemsize if config["BLOCK_M"] <= 64 else 0
+    stages = config.get("num_stages", 3)
+    if profile.arch >= 90:
+        return stages * kv + q
+    if profile.arch >= 80:
+        return max(1, stages - 1) * kv + q + p
+    return kv + q + p + SM75_EXTRA
+
+
+def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
+    """Upper bound on the shared memory of either backward kernel with ``config`` (one kernel's tiles), checked like
+    :func:`forward_shared_memory`. Each streams two tiles of the small size (Q and dO, or K and V) and keeps two of
+    the large one; scores and their gradient (small x large) pass through shared memory between products."""
+    small, large = sorted((config["BLOCK_M"], config["BLOCK_N"]))
+    streamed = 2 * small * head_dim * itemsize
+    kept = 2 * large * head_dim * itemsize
+    scores = 2 * small * large * itemsize
+    stages = config.get("num_stages", 3)
+    buffers = stages if profile.arch >= 90 else max(1, stages - 1) if profile.arch >= 80 else 1
+    return buffers * streamed + kept + scores
+
+
+def forward_config(head_dim: int, profile: runtime.GPUProfile | None = None) -> dict:
+    """Tiles, warps and stages of the forward kernel for ``profile`` (default: this GPU's, see runtime.gpu_profile):
+    the first rung of the ladder above whose shared memory fits. In the interpreter, small tiles keep each step
+    cheap."""
+    profile = profile or runtime.gpu_profile()
+    if profile is None:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    # From the sweeps in benchmarks/bench_flash_attention.py on the H200 (recorded in its results file): 128x128
-    # with 8 warps at D=128; 64x64 with 4 warps at D=64, where four programs fit on one SM (shared memory: 4 x 57 KB).
-    if head_dim <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    ladder = (FORWARD_LADDER_SM75 if not profile.triton_tensor_cores else FORWARD_LADDER)[64 if head_dim <= 64 else 128]
+    return first_that_fits("flash_attention", [_rung(r) for r in ladder],
+                           lambda c: forward_shared_memory(c, head_dim, profile), profile)
 
 
-def backward_config(head_dim: int) -> dict:
-    """Tiles and warps for the two backward kernels, each its own: the dK/dV kernel holds a key tile (BLOCK_N) and
-    streams query tiles (BLOCK_M) past it; the dQ kernel the other way round. So the tile a kernel keeps is the
-    large one, the tile it streams the small one (as in Triton's fused-attention tutorial)."""
-    if not runtime.on_gpu():
+def backward_config(head_dim: int, profile: runtime.GPUProfile | None = None) -> dict:
+    """Tiles, warps and stages for the two backward kernels, each its own (see BACKWARD_LADDER), for ``profile``
+    (default: this GPU's)."""
+    profile = profile or runtime.gpu_profile()
+    if profile is None:
         small = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
         return {"dkdv": small, "dq": small}
-    # From the recorded sweep: a 64-row kept tile and 32-row streamed tiles, 4 warps, was the fastest at D=128.
-    return {"dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
+    ladder = BACKWARD_LADDER if profile.triton_tensor_cores else BACKWARD_LADDER_SM75
+    dkdv = first_that_fits("flash_attention backward", [_rung(r) for r in ladder],
+                           lambda c: backward_shared_memory(c, head_dim, profile), profile)
+    # dQ keeps the query tile: the same sizes, the other way round.
+    return {"dkdv": dkdv, "dq": dict(dkdv, BLOCK_M=dkdv["BLOCK_N"], BLOCK_N=dkdv["BLOCK_M"])}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
