@@ -268,6 +268,8 @@ def describe() -> str:
     import triton
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    if mode() == "compile":
+        return f"Mode: compile only (nothing launches), for a {gpu_profile().describe()}, {versions}"
     if gpu:
         return f"Mode: GPU: {gpu_profile().describe()}, {versions}"
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"

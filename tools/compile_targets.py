@@ -149,13 +149,14 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     profile named by LESSONLIB_GPU_PROFILE).
 
     Coverage (every configuration a launcher can pick on this profile, and every dtype it accepts here):
-    - flash_attention forward, dK/dV and dQ at D=64 and D=128: the ladders depend on the head dimension only through
-      D<=64 (D=16, 32 and 64 take the D=64 rung and need the most shared memory of them at D=64) and D=128. Causal
-      and full masking are split between the two head dimensions and the 16-bit dtypes (float16, bfloat16 where the
-      arch has it: same bytes, so the same shared memory; flash_attention takes no float32 on a GPU).
-    - paged_attention's split kernel at D=128 and D=256 in every dtype (the configuration depends on D and the
-      element size), query-head groups 1, 4 and 8 spread over them; its reduce kernel at the most splits
-      num_splits_for can pick on this GPU (the largest tile).
+    - flash_attention's forward, dK/dV and dQ kernels at D=64 (full) and D=128 (causal): the ladders depend on the
+      head dimension only through D<=64 (D=16 and 32 take the D=64 rung, with less shared memory) and D=128; the
+      masking changes no buffer. The two 16-bit dtypes (bfloat16 where the arch has it) take turns: same bytes per
+      element, same configuration; flash_attention takes no float32 on a GPU.
+    - paged_attention's split kernel at D=128 in every dtype (query-head groups 1, 4 and 8) and at D=256 in 16 bits:
+      the configuration depends on D x element size, so D=256 in 16 bits stands for D=128 in float32's bytes per
+      row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
+      kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
     - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv: one configuration
       each on every GPU, at their largest blocks, in the 16-bit dtype and in float32.
     ``thorough=True`` compiles every dtype for every case instead.
@@ -180,7 +181,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         return choices if thorough else (choices[i % len(choices)],)
 
     # flash_attention: (B, H, N, D) = (2, 32, 4096, D) contiguous, as the benchmark's target shapes.
-    for i, (head_dim, causal) in enumerate(((64, False), (128, True), (128, False), (64, True))):
+    for i, (head_dim, causal) in enumerate(((64, False), (128, True))):
         qs = _contiguous_strides(2, 32, 4096, head_dim)[:3]
         for dtype in pick(i, half):
             forward = fa.forward_config(head_dim, given)
@@ -188,8 +189,6 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                             dtype, (dtype, dtype, dtype, dtype, f32, *qs * 4, 32, 4096, 4096, head_dim ** -0.5),
                             dict(GROUP=1, CAUSAL=causal, HEAD_DIM=head_dim, **forward),
                             fa.forward_shared_memory(forward, head_dim, profile, dtype.itemsize), forward))
-            if i >= 2:
-                continue  # the backward kernels once per head dimension
             backward = fa.backward_config(head_dim, given)
             for kernel, key, extra in ((fa._flash_attention_dkdv_kernel, "dkdv", (dtype, dtype)),
                                        (fa._flash_attention_dq_kernel, "dq", (dtype,))):
@@ -203,20 +202,21 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
 
     # paged_attention: a pool of 2048 blocks of 16 tokens, 8 KV heads, batch 32 with 256-block tables.
     block_size, kv_heads = 16, 8
-    for head_dim in (128, 256):
-        for j, dtype in enumerate(all_dtypes):  # every dtype at each head_dim; groups 1, 4, 8 spread over them
-            group = (1, 4, 8)[j]
-            config = pa.split_config(head_dim, block_size, dtype, given)
-            cache = _contiguous_strides(2048, block_size, kv_heads, head_dim)
-            heads = kv_heads * group
-            out.append(Case(
-                "paged_attention", pa._paged_attention_split_kernel, f"D={head_dim} GROUP={group}", dtype,
-                (dtype, dtype, dtype, torch.int32, torch.int32, f32, f32, f32, head_dim ** -0.5,
-                 heads * head_dim, head_dim, 256, *cache[:3], 8, 32),
-                dict(GROUP=group, BLOCK_G=max(16, pa.next_power_of_2(group)), BLOCK_SIZE=block_size,
-                     HEAD_DIM=head_dim, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
-                     PRECISE_EXP=dtype == f32, **config),
-                pa.split_shared_memory(config, head_dim, block_size, dtype.itemsize), config))
+    paged = [(128, (1, 4, 8)[j], dtype) for j, dtype in enumerate(all_dtypes)] + [(256, 8, half[-1])]
+    if thorough:
+        paged += [(256, 4, dtype) for dtype in all_dtypes]
+    for head_dim, group, dtype in paged:
+        config = pa.split_config(head_dim, block_size, group, dtype, given)
+        cache = _contiguous_strides(2048, block_size, kv_heads, head_dim)
+        heads = kv_heads * group
+        out.append(Case(
+            "paged_attention", pa._paged_attention_split_kernel, f"D={head_dim} GROUP={group}", dtype,
+            (dtype, dtype, dtype, torch.int32, torch.int32, f32, f32, f32, head_dim ** -0.5,
+             heads * head_dim, head_dim, 256, *cache[:3], 8, 32),
+            dict(GROUP=group, BLOCK_G=max(16, pa.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                 HEAD_DIM=head_dim, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
+                 PRECISE_EXP=dtype == f32, **config),
+            pa.split_shared_memory(config, head_dim, block_size, group, dtype.itemsize), config))
     most_splits = pa.num_splits_for(1, 1, 1 << 20, profile.multiprocessors)
     config = dict(BLOCK_S=pa.next_power_of_2(most_splits), num_warps=pa.REDUCE_WARPS)
     for dtype in pick(0, half):

@@ -26,7 +26,6 @@ from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, first_that_fits, launch
 
 HEAD_DIMS = (16, 32, 64, 128)
-SM75_EXTRA = 0  # see forward_shared_memory
 LOG2E = 1.4426950408889634
 
 
@@ -307,16 +306,25 @@ def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfi
     sm_90 3 x 64 KB + 32 KB = 224 KB, sm_80 2 x 64 KB + 32 KB = 160 KB, both exactly the formula. Below Hopper, tiles
     of 64 query rows or fewer also pass P through shared memory on its way into the second product (compiled sm_80,
     D=128, 64x64, 3 stages: 88 KB = 2 x 32 + 16 + 8); at 128 rows the compiled kernels need no extra buffer for it.
-    sm_75 has no async copy: one K and one V tile, plus Q and P."""
-    kv = 2 * config["BLOCK_N"] * head_dim * itemsize
-    q = config["BLOCK_M"] * head_dim * itemsize
-    p = config["BLOCK_M"] * config["BLOCK_N"] * itemsize if config["BLOCK_M"] <= 64 else 0
+    sm_75: see :func:`_sm75_shared_memory`."""
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    if not profile.triton_tensor_cores:
+        return _sm75_shared_memory(itemsize * (block_m * head_dim + 2 * block_n * head_dim + block_m * block_n))
+    kv = 2 * block_n * head_dim * itemsize
+    q = block_m * head_dim * itemsize
+    p = block_m * block_n * itemsize if block_m <= 64 else 0
     stages = config.get("num_stages", 3)
     if profile.arch >= 90:
         return stages * kv + q
-    if profile.arch >= 80:
-        return max(1, stages - 1) * kv + q + p
-    return kv + q + p + SM75_EXTRA
+    return max(1, stages - 1) * kv + q + p
+
+
+def _sm75_shared_memory(operand_bytes: int) -> int:
+    """sm_75, where Triton's tl.dot is FMA: no async copies to pipeline, but every operand of every product passes
+    through shared memory on its way into the FMA layout. Compiled for sm_75 (Triton 3.9): the forward at D=128 and
+    128x128 tiles needs exactly its operands (128 KB), at 64x64 64 KB for 56 KB of operands; the dK/dV kernel at
+    16x32 40 KB for 34 KB. Reduction scratch and padding come on top: a quarter is allowed for them."""
+    return 5 * operand_bytes // 4
 
 
 def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
@@ -324,6 +332,8 @@ def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProf
     :func:`forward_shared_memory`. Each streams two tiles of the small size (Q and dO, or K and V) and keeps two of
     the large one; scores and their gradient (small x large) pass through shared memory between products."""
     small, large = sorted((config["BLOCK_M"], config["BLOCK_N"]))
+    if not profile.triton_tensor_cores:  # the dK/dV kernel's four products: K, Q; P, dO; V, dO; dS, Q
+        return _sm75_shared_memory(itemsize * (2 * large * head_dim + 4 * small * head_dim + 2 * small * large))
     streamed = 2 * small * head_dim * itemsize
     kept = 2 * large * head_dim * itemsize
     scores = 2 * small * large * itemsize

@@ -4,9 +4,8 @@ target (``GPUTarget``) through a stand-in driver (tools/compile_targets.py).
 
 What is compiled (the docstring of ``tools/compile_targets.cases`` has the details): for each profile in
 ``PROFILES`` (T4 sm_75, A100 sm_80, A10 sm_86, L4 sm_89, H200 sm_90), every configuration a launcher can pick there:
-FlashAttention's forward at D=64 and D=128 (causal and full), its dK/dV and dQ kernels at both head dimensions,
-paged attention's split kernel at D=128 and D=256 in every dtype (query-head groups 1, 4, 8) and its reduce kernel
-at the most splits the GPU can get, and the fused element-wise ops at their largest blocks. Every dtype the
+FlashAttention's forward, dK/dV and dQ kernels at D=64 and D=128, paged attention's split kernel at D=128 in every
+dtype (query-head groups 1, 4, 8) and at D=256, and its reduce kernel at the most splits the GPU can get, and the fused element-wise ops at their largest blocks. Every dtype the
 architecture supports appears (no bfloat16 on sm_75); float16 and bfloat16 take turns where the configuration is the
 same (same bytes per element, the same shared memory).
 
@@ -29,7 +28,7 @@ import pytest
 import torch
 
 from lessonlib import runtime
-from lessonlib.ops import flash_attention as fa_module  # noqa: F401  (the op modules, for their config functions)
+import lessonlib.ops  # noqa: F401  (defines the op modules, whose config functions the tests ask)
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "compile_targets.py"
@@ -133,7 +132,8 @@ def test_the_compiled_configuration_is_the_launchers_choice_for_the_profile(comp
         elif r["kernel"] == "_flash_attention_dq_kernel":
             assert r["config"] == fa.backward_config(head_dim, target)["dq"]
         elif r["kernel"] == "_paged_attention_split_kernel":
-            assert r["config"] == pa.split_config(head_dim, 16, getattr(torch, r["dtype"]), target)
+            group = int(r["label"].split("GROUP=")[1])
+            assert r["config"] == pa.split_config(head_dim, 16, group, getattr(torch, r["dtype"]), target)
 
 
 def test_a_planted_oversized_configuration_is_caught(compiled):
@@ -157,7 +157,8 @@ def test_hopper_keeps_the_h200_tuned_configurations():
                                                     "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for head_dim in (64, 128, 256):
-                assert pa.split_config(head_dim, 16, dtype, hopper) == dict(BLOCKS_PER_STEP=4, num_warps=4)
+                for group in (1, 4, 8):
+                    assert pa.split_config(head_dim, 16, group, dtype, hopper) == dict(BLOCKS_PER_STEP=4, num_warps=4)
 
 
 def test_emulation_drives_the_launchers_choice(monkeypatch):
@@ -168,11 +169,35 @@ def test_emulation_drives_the_launchers_choice(monkeypatch):
     monkeypatch.setattr(runtime, "gpu_profile", lambda: t4)
     assert fa.forward_config(128) == fa.forward_config(128, t4) != fa.forward_config(128, runtime.PROFILES["h200"])
     assert fa.backward_config(128) == fa.backward_config(128, t4)
-    assert pa.split_config(128, 16, torch.float32) == pa.split_config(128, 16, torch.float32, t4)
+    assert pa.split_config(128, 16, 4, torch.float32) == pa.split_config(128, 16, 4, torch.float32, t4)
 
 
 def test_a_shape_no_configuration_fits_is_refused_before_launch():
     """paged_attention with 128-token cache blocks at D=256 in float32: one block's K and V alone are 256 KB, more
     than any GPU's shared memory per block. A clear error, not an out-of-resource failure at launch."""
     with pytest.raises(ValueError, match="no configuration fits"):
-        _ops_module("paged_attention").split_config(256, 128, torch.float32, runtime.PROFILES["h200"])
+        _ops_module("paged_attention").split_config(256, 128, 8, torch.float32, runtime.PROFILES["h200"])
+
+
+def test_compile_mode_defines_kernels_for_the_compiler_and_launches_nothing():
+    script = (
+        "import torch\n"
+        "from lessonlib import runtime, ops\n"
+        "import sys\n"
+        "module = sys.modules['lessonlib.ops.swiglu']\n"
+        "assert runtime.mode() == 'compile' and not runtime.on_gpu()\n"
+        "assert runtime.gpu_profile() == runtime.PROFILES['t4'], runtime.gpu_profile()\n"
+        "assert type(module._swiglu_kernel).__name__ == 'JITFunction'\n"
+        "try:\n"
+        "    ops.swiglu(torch.ones(2, 4), torch.ones(2, 4))\n"
+        "except RuntimeError as error:\n"
+        "    assert 'nothing launches' in str(error), error\n"
+        "else:\n"
+        "    raise AssertionError('a launch in compile mode did not fail')\n"
+        "print(runtime.describe())\n"
+    )
+    env = dict(os.environ, LESSONLIB_MODE="compile", LESSONLIB_GPU_PROFILE="t4", PYTHONPATH=str(ROOT))
+    env.pop("TRITON_INTERPRET", None)
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "compile only" in run.stdout and "Tesla T4" in run.stdout
