@@ -277,18 +277,22 @@ FORWARD_LADDER = {
     64: ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),  # H200 at D=64: 64x64, four programs per SM
     128: ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),
 }
-# sm_75 (T4): Triton 3.x lowers tl.dot to FMA there, no tensor cores. Compiled for sm_75 with Triton 3.9
-# (tools/compile_targets.py --registers), every tile of 64x64 and up uses all 255 registers and spills; no stage is
-# pipelined (no cp.async), so num_stages only adds nothing. The rungs below are the largest tiles that compile
-# without spills (FORWARD_LADDER_SM75_EVIDENCE).
+# sm_75 (T4): Triton 3.x lowers tl.dot to FMA there, no tensor cores, and nothing is pipelined (no cp.async), so
+# registers decide, not stages. Compiled for sm_75 with Triton 3.9 (tools/compile_targets.py --registers, ptxas -v of
+# the wheel), forward at D=128: 128x128 and 64x64 tiles use all 255 registers and spill, 64x32 spills 9 KB, 32x32
+# 1.4 KB; 32x16 and 16x32 compile without spills (237 and 229 registers, 24 KB of shared memory). At D=64: 64x32
+# spills 940 B, 32x32 none (246 registers). 32x16 rather than 16x32 at D=128: each program re-reads all of K and V,
+# so twice the query rows per program halves that traffic. Not timed on a T4.
 FORWARD_LADDER_SM75 = {
-    64: ((64, 32, 4, 1), (32, 32, 4, 1)),
-    128: ((64, 32, 4, 1), (32, 32, 4, 1)),
+    64: ((32, 32, 4, 1),),
+    128: ((32, 16, 4, 1),),
 }
 # The dK/dV kernel keeps a key tile (BLOCK_N) and streams query tiles (BLOCK_M) past it; the dQ kernel the other way
 # round, so the kept tile is the large one (as in Triton's fused-attention tutorial). H200 sweep at D=128: 32/64-row
 # tiles, 4 warps, 3 stages 330 TFLOP/s, 2 stages 314. Rungs: (small tile, large tile, num_warps, num_stages).
 BACKWARD_LADDER = ((32, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2))
+# sm_75: the smallest tiles tl.dot takes. Compiled as above: no spills at D=64; at D=128 255 registers and 804 B
+# (dK/dV) and 560 B (dQ) of spill stores, where 32/64-row tiles spill 6 KB and 3.6 KB and need 80 KB.
 BACKWARD_LADDER_SM75 = ((16, 32, 4, 1),)
 
 
@@ -322,9 +326,9 @@ def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfi
 def _sm75_shared_memory(operand_bytes: int) -> int:
     """sm_75, where Triton's tl.dot is FMA: no async copies to pipeline, but every operand of every product passes
     through shared memory on its way into the FMA layout. Compiled for sm_75 (Triton 3.9): the forward at D=128 and
-    128x128 tiles needs exactly its operands (128 KB), at 64x64 64 KB for 56 KB of operands; the dK/dV kernel at
-    16x32 40 KB for 34 KB. Reduction scratch and padding come on top: a quarter is allowed for them."""
-    return 5 * operand_bytes // 4
+    128x128 tiles needs exactly its operands (128 KB), at 64x64 64 KB for 56 KB of operands, at 64x32 48 KB for 36 KB
+    (1.33x); the dK/dV kernel at 16x32 40 KB for 34 KB. Reduction scratch and padding come on top: half is allowed."""
+    return 3 * operand_bytes // 2
 
 
 def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
