@@ -158,7 +158,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
     - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv: one configuration
-      each on every GPU, at their largest blocks, in the 16-bit dtype and in float32.
+      each on every GPU, at their largest blocks, in every dtype (they compile in seconds).
     ``thorough=True`` compiles every dtype for every case instead.
     """
     import lessonlib.ops  # noqa: F401  (defines the kernels, in the mode already chosen)
@@ -219,13 +219,13 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
             pa.split_shared_memory(config, head_dim, block_size, group, dtype.itemsize), config))
     most_splits = pa.num_splits_for(1, 1, 1 << 20, profile.multiprocessors)
     config = dict(BLOCK_S=pa.next_power_of_2(most_splits), num_warps=pa.REDUCE_WARPS)
-    for dtype in pick(0, half):
+    for dtype in half:
         out.append(Case("paged_attention", pa._paged_attention_reduce_kernel, f"splits={most_splits} D=256", dtype,
                         (f32, f32, f32, dtype, most_splits), dict(HEAD_DIM=256, PRECISE_EXP=False, **config),
                         config=config))
 
     # The fused element-wise ops, at their largest blocks.
-    for i, dtype in enumerate((half[0], f32) if not thorough else all_dtypes):
+    for dtype in all_dtypes:
         config = sw.config(14336, given)
         out.append(Case("swiglu", sw._swiglu_kernel, "I=14336", dtype, (dtype, dtype, dtype, 14336, 28672, 28672, 14336),
                         config, config=config))
