@@ -279,8 +279,9 @@ FORWARD_LADDER = {
 }
 # sm_75 (T4): Triton 3.x lowers tl.dot to FMA there, no tensor cores, and nothing is pipelined (no cp.async), so
 # registers decide, not stages. Compiled for sm_75 with Triton 3.9 (tools/compile_targets.py --registers, ptxas -v of
-# the wheel), forward at D=128: 128x128 and 64x64 tiles use all 255 registers and spill, 64x32 spills 9 KB, 32x32
-# 1.4 KB; 32x16 and 16x32 compile without spills (237 and 229 registers, 24 KB of shared memory). At D=64: 64x32
+# the wheel), forward at D=128: 64x32 spills 9 KB, 32x32 1.4 KB (larger tiles were not measured; 128x128 and 64x64
+# need 128 and 64 KB of shared memory there); 32x16 and 16x32 compile without spills (237 and 229 registers, 24 KB
+# of shared memory). At D=64: 64x32
 # spills 940 B, 32x32 none (246 registers). 32x16 rather than 16x32 at D=128: each program re-reads all of K and V,
 # so twice the query rows per program halves that traffic. Not timed on a T4.
 FORWARD_LADDER_SM75 = {
