@@ -37,7 +37,7 @@ def main():
     if not args.smoke and not gpu:
         sys.exit("bench_cuda_graphs.py needs a GPU (use --smoke to test the script on CPU)")
     device = runtime.device()
-    dtype = torch.bfloat16 if gpu else torch.float16
+    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
     records, notes = [], {}
     warm_up_gpu()
 

@@ -82,7 +82,7 @@ def main():
         sys.exit("bench_fusion.py needs a GPU (use --smoke to test the script on CPU)")
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per (op, T): no silent fallback to eager
 
-    dtype = torch.float16 if smoke else torch.bfloat16
+    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
     itemsize = torch.tensor([], dtype=dtype).element_size()
     dname = str(dtype).removeprefix("torch.")
     T, H, I = (16, 256, 384) if smoke else (8192, 4096, 14336)

@@ -57,7 +57,7 @@ def main():
     args = parser.parse_args()
     if not args.smoke and not runtime.on_gpu():
         sys.exit("bench_paged_attention.py needs a GPU (use --smoke to test the script on CPU)")
-    dtype = torch.float16 if args.smoke else torch.bfloat16
+    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
     heads, kv_heads, head_dim, block_size = (8, 2, 32, 16) if args.smoke else (32, 8, 128, 16)
     cases = [(2, 64), (1, 100)] if args.smoke else [(32, 4096), (64, 2048), (8, 16384), (1, 32768)]
     records = []

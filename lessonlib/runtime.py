@@ -1,10 +1,15 @@
 """The one place that decides where the course's kernels run.
 
-Two modes:
+Three modes:
 
 * ``"gpu"``: CUDA is available, kernels are compiled by Triton and run on the GPU.
 * ``"interpreter"``: no GPU; Triton's interpreter runs the *same* kernels on CPU tensors, element by element in
   NumPy. Correct, but slow: problem sizes shrink and times are never performance.
+* ``"compile"`` (only when asked for, ``LESSONLIB_MODE=compile``): kernels are defined for Triton's GPU compiler but
+  nothing can launch, on a machine with or without a GPU. :func:`gpu_profile` is the profile named by
+  ``LESSONLIB_GPU_PROFILE``, so the launchers' configuration functions answer "what would run on a T4?", and
+  ``tools/compile_targets.py`` compiles each kernel with that answer for the profile's architecture (``GPUTarget``):
+  the CI test ``tests/ops/test_compile_targets.py`` checks the compiled kernels' shared memory that way, with no GPU.
 
 Triton reads ``TRITON_INTERPRET`` when a kernel is *defined* (when ``@triton.jit`` runs). That includes Triton's
 own library functions such as ``tl.sigmoid``, which are defined when ``triton.language`` is first imported. So the
@@ -27,16 +32,17 @@ from functools import lru_cache
 
 import torch
 
-MODES = ("gpu", "interpreter")
+MODES = ("gpu", "interpreter", "compile")
 
 
 @lru_cache(maxsize=None)
 def mode() -> str:
-    """Return ``"gpu"`` or ``"interpreter"``, deciding once per process (and setting TRITON_INTERPRET)."""
+    """Return ``"gpu"``, ``"interpreter"`` or ``"compile"``, deciding once per process (and setting
+    TRITON_INTERPRET)."""
     requested = os.environ.get("LESSONLIB_MODE", "").strip().lower()
     if requested and requested not in MODES:
         raise ValueError(f"LESSONLIB_MODE={requested!r}: expected one of {MODES}")
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and requested != "gpu":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0") and requested not in ("gpu", "compile"):
         requested = "interpreter"
     if requested == "gpu" and not torch.cuda.is_available():
         raise RuntimeError("LESSONLIB_MODE=gpu but torch sees no CUDA device")
@@ -179,11 +185,14 @@ class GPUProfile:
         return text
 
 
-# The GPUs students meet (Colab's T4, L4, A100; the H100 and the H200 the course was measured on). Shared memory is
-# the opt-in per-block limit of each architecture (CUDA programming guide, compute capabilities table); memory is what
-# the driver reports on Colab (T4 15 GiB usable of 16 GB; A100 the 40 GB part).
+# The GPUs students meet (Colab's T4, L4, A100; the H100 and the H200 the course was measured on), and an sm_86 card
+# (A10, like an RTX 3090 or a cloud notebook's A10G) so that every architecture a student may have is covered. Shared
+# memory is the opt-in per-block limit of each architecture (CUDA programming guide, compute capabilities table:
+# 99 KB on sm_86 and sm_89, 163 KB on sm_80); memory is what the driver reports on Colab (T4 15 GiB usable of 16 GB;
+# A100 the 40 GB part; A10 24 GB, about 22.5 GiB reported).
 PROFILES: dict[str, GPUProfile] = {
     "t4": GPUProfile("Tesla T4", (7, 5), 40, 64 * 1024, 15 * 2**30),
+    "a10": GPUProfile("NVIDIA A10", (8, 6), 72, 99 * 1024, int(22.5 * 2**30)),
     "l4": GPUProfile("NVIDIA L4", (8, 9), 58, 99 * 1024, int(22.5 * 2**30)),
     "a100": GPUProfile("NVIDIA A100-SXM4-40GB", (8, 0), 108, 163 * 1024, 40 * 2**30),
     "h100": GPUProfile("NVIDIA H100 80GB HBM3", (9, 0), 132, 227 * 1024, 80 * 2**30),
@@ -196,7 +205,15 @@ def gpu_profile() -> GPUProfile | None:
     """This machine's GPU profile, or None in the interpreter. ``LESSONLIB_GPU_PROFILE=t4`` (``l4``, ``a100``,
     ``h100``, ``h200``) emulates that GPU on a larger one: its dtype policy, shared-memory budget for kernel
     configurations, memory budget (enforced with ``torch.cuda.set_per_process_memory_fraction``), problem sizes and
-    absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated."""
+    absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated.
+
+    In ``"compile"`` mode (no launches) it is the profile named by ``LESSONLIB_GPU_PROFILE``, as is, with no
+    device to compare it with."""
+    if mode() == "compile":
+        wanted = os.environ.get("LESSONLIB_GPU_PROFILE", "").strip().lower()
+        if wanted not in PROFILES:
+            raise ValueError(f"LESSONLIB_MODE=compile needs LESSONLIB_GPU_PROFILE, one of {sorted(PROFILES)}; got {wanted!r}")
+        return PROFILES[wanted]
     if not on_gpu():
         return None
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
@@ -276,6 +293,8 @@ def describe() -> str:
     import triton
 
     versions = f"torch {torch.__version__}, triton {triton.__version__}"
+    if mode() == "compile":
+        return f"Mode: compile only (nothing launches), for a {gpu_profile().describe()}, {versions}"
     if gpu:
         return f"Mode: GPU: {gpu_profile().describe()}, {versions}"
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"

@@ -48,6 +48,9 @@ def launch(kernel, grid, *args, **meta) -> None:
     if runtime.on_gpu():
         kernel[grid](*args, **meta)
     else:
+        if runtime.mode() == "compile":
+            raise RuntimeError(f"{kernel.fn.__name__}: LESSONLIB_MODE=compile defines kernels for the compiler only; "
+                               "nothing launches (tools/compile_targets.py compiles them)")
         with torch.profiler.record_function(f"triton::{kernel.fn.__name__}"):
             kernel[grid](*args, **meta)
 
@@ -59,3 +62,14 @@ def num_warps_for(block: int) -> int:
 
 
 next_power_of_2 = triton.next_power_of_2
+
+
+def first_that_fits(op: str, candidates, shared_memory, profile) -> dict:
+    """The first of ``candidates`` (best first) whose shared memory, as estimated by ``shared_memory(candidate)``,
+    fits ``profile``'s opt-in limit per block. Each op's estimate is checked against the compiled kernels, for every
+    architecture the course supports, by tests/ops/test_compile_targets.py (compiled <= estimate)."""
+    for candidate in candidates:
+        if shared_memory(candidate) <= profile.shared_memory_per_block:
+            return candidate
+    raise ValueError(f"{op}: no configuration fits the {profile.shared_memory_per_block // 1024} KB of shared memory "
+                       f"per block of the {profile.name} (smallest needs {shared_memory(candidates[-1]) // 1024} KB)")

@@ -86,6 +86,16 @@ def _add_rms_norm_kernel(
             tl.store(out_ptr + cols, out.to(dtype), mask=mask)
 
 
+def config(n_cols: int, profile=None) -> dict:
+    """BLOCK, ONE_PASS and warps for rows of ``n_cols`` elements.
+    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
+    and needs no shared memory beyond the sum of squares across warps (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
+    if n_cols <= MAX_ONE_PASS_COLS:
+        block = next_power_of_2(n_cols)
+        return dict(BLOCK=block, ONE_PASS=True, num_warps=min(16, max(1, block // ELEMENTS_PER_WARP)))
+    return dict(BLOCK=TWO_PASS_BLOCK, ONE_PASS=False, num_warps=16)
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,11 +116,9 @@ def add_rms_norm(
     if out.numel() == 0:
         return out, residual_out
     x2d, residual2d = (x, residual) if x.dim() == 2 else (x.reshape(-1, n_cols), residual.reshape(-1, n_cols))
-    one_pass = n_cols <= MAX_ONE_PASS_COLS
-    block = next_power_of_2(n_cols) if one_pass else TWO_PASS_BLOCK
     launch(
         _add_rms_norm_kernel, (x2d.shape[0],),
         x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
-        BLOCK=block, ONE_PASS=one_pass, num_warps=min(16, max(1, block // ELEMENTS_PER_WARP)) if one_pass else 16,
+        **config(n_cols),
     )
     return out, residual_out

@@ -81,6 +81,15 @@ def _heads_block(n_heads: int, block_d: int) -> int:
     return max(1, min(next_power_of_2(n_heads), 4096 // block_d))
 
 
+def config(n_q_heads: int, n_kv_heads: int, head_dim: int, profile=None) -> dict:
+    """Tiles (heads x half-dims) and warps.
+    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
+    and needs no shared memory beyond nothing (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
+    block_d = next_power_of_2(head_dim // 2)
+    return dict(BLOCK_HQ=_heads_block(n_q_heads, block_d), BLOCK_HK=_heads_block(n_kv_heads, block_d),
+                BLOCK_D=block_d, num_warps=4)
+
+
 def apply_rope(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,13 +117,11 @@ def apply_rope(
     if q.numel() == 0 or k.numel() == 0:
         return q_out, k_out
     half = head_dim // 2
-    block_d = next_power_of_2(half)
     launch(
         _apply_rope_kernel, (batch * seq_len,),
         q, k, cos, sin, q_out, k_out, seq_len, n_q_heads, k.shape[1], half,
         *q.stride()[:3], *k.stride()[:3], cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *q_out.stride()[:3], *k_out.stride()[:3],
-        BLOCK_HQ=_heads_block(n_q_heads, block_d), BLOCK_HK=_heads_block(k.shape[1], block_d), BLOCK_D=block_d,
-        num_warps=4,
+        **config(n_q_heads, k.shape[1], head_dim),
     )
     return q_out, k_out

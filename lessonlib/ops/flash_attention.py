@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch
+from lessonlib.ops._common import check_tensors, first_that_fits, launch
 
 HEAD_DIMS = (16, 32, 64, 128)
 LOG2E = 1.4426950408889634
@@ -268,27 +268,109 @@ def supported_dtypes() -> tuple[torch.dtype, ...]:
     return tuple(d for d in (torch.float16, torch.bfloat16) if d in runtime.supported_dtypes())
 
 
-def forward_config(head_dim: int) -> dict:
-    """Tile sizes and warps for the forward kernel. In the interpreter, small tiles keep each step cheap."""
-    if not runtime.on_gpu():
+# Configurations, best first: each launcher takes the first whose shared memory fits the GPU (runtime.gpu_profile()).
+# The order is the H200 sweep's (benchmarks/bench_flash_attention.py, lessonlib/results/flash-attention-h200.json,
+# D=128 non-causal: 128x128/8 warps/3 stages 500 TFLOP/s, 128x64/8/3 476, 64x64/4/3 473, 64x64/4/2 436), so a
+# Hopper GPU keeps the tuned first rung and a smaller GPU the fastest of the rest that fits; the smaller GPUs were not
+# swept. Rungs are (BLOCK_M, BLOCK_N, num_warps, num_stages).
+FORWARD_LADDER = {
+    64: ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),  # H200 at D=64: 64x64, four programs per SM
+    128: ((128, 128, 8, 3), (128, 64, 8, 3), (64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2)),
+}
+# sm_75 (T4): Triton 3.x lowers tl.dot to FMA there, no tensor cores, and nothing is pipelined (no cp.async), so
+# registers decide, not stages. Compiled for sm_75 with Triton 3.9 (tools/compile_targets.py --registers, ptxas -v of
+# the wheel), forward at D=128: 64x32 spills 9 KB, 32x32 1.4 KB (larger tiles were not measured; 128x128 and 64x64
+# need 128 and 64 KB of shared memory there); 32x16 and 16x32 compile without spills (237 and 229 registers, 24 KB
+# of shared memory). At D=64: 64x32
+# spills 940 B, 32x32 none (246 registers). 32x16 rather than 16x32 at D=128: each program re-reads all of K and V,
+# so twice the query rows per program halves that traffic. Not timed on a T4.
+FORWARD_LADDER_SM75 = {
+    64: ((32, 32, 4, 1),),
+    128: ((32, 16, 4, 1),),
+}
+# The dK/dV kernel keeps a key tile (BLOCK_N) and streams query tiles (BLOCK_M) past it; the dQ kernel the other way
+# round, so the kept tile is the large one (as in Triton's fused-attention tutorial). H200 sweep at D=128: 32/64-row
+# tiles, 4 warps, 3 stages 330 TFLOP/s, 2 stages 314. Rungs: (small tile, large tile, num_warps, num_stages).
+BACKWARD_LADDER = ((32, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2))
+# sm_75: the smallest tiles tl.dot takes. Compiled as above: no spills at D=64; at D=128 255 registers and 804 B
+# (dK/dV) and 560 B (dQ) of spill stores, where 32/64-row tiles spill 6 KB and 3.6 KB and need 80 KB.
+BACKWARD_LADDER_SM75 = ((16, 32, 4, 1),)
+
+
+def _rung(rung) -> dict:
+    block_m, block_n, num_warps, num_stages = rung
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps, num_stages=num_stages)
+
+
+def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
+    """Bytes of shared memory the forward kernel asks for with ``config`` on ``profile``'s architecture: an upper
+    bound, checked against the compiled kernels of every architecture by tests/ops/test_compile_targets.py.
+
+    The pipeliner keeps ``num_stages`` K and V tiles in flight on Hopper (async copies ahead of wgmma), one fewer on
+    Ampere and Ada (cp.async), and Q sits in shared memory beside them. Compiled at D=128, 3 stages, 128x128 tiles:
+    sm_90 3 x 64 KB + 32 KB = 224 KB, sm_80 2 x 64 KB + 32 KB = 160 KB, both exactly the formula. Below Hopper, tiles
+    of 64 query rows or fewer also pass P through shared memory on its way into the second product (compiled sm_80,
+    D=128, 64x64, 3 stages: 88 KB = 2 x 32 + 16 + 8); at 128 rows the compiled kernels need no extra buffer for it.
+    sm_75: see :func:`_sm75_shared_memory`."""
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    if not profile.triton_tensor_cores:
+        return _sm75_shared_memory(itemsize * (block_m * head_dim + 2 * block_n * head_dim + block_m * block_n))
+    kv = 2 * block_n * head_dim * itemsize
+    q = block_m * head_dim * itemsize
+    p = block_m * block_n * itemsize if block_m <= 64 else 0
+    stages = config.get("num_stages", 3)
+    if profile.arch >= 90:
+        return stages * kv + q
+    return max(1, stages - 1) * kv + q + p
+
+
+def _sm75_shared_memory(operand_bytes: int) -> int:
+    """sm_75, where Triton's tl.dot is FMA: no async copies to pipeline, but every operand of every product passes
+    through shared memory on its way into the FMA layout. Compiled for sm_75 (Triton 3.9): the forward at D=128 and
+    128x128 tiles needs exactly its operands (128 KB), at 64x64 64 KB for 56 KB of operands, at 64x32 48 KB for 36 KB
+    (1.33x); the dK/dV kernel at 16x32 40 KB for 34 KB. Reduction scratch and padding come on top: half is allowed."""
+    return 3 * operand_bytes // 2
+
+
+def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
+    """Upper bound on the shared memory of either backward kernel with ``config`` (one kernel's tiles), checked like
+    :func:`forward_shared_memory`. Each streams two tiles of the small size (Q and dO, or K and V) and keeps two of
+    the large one; scores and their gradient (small x large) pass through shared memory between products."""
+    small, large = sorted((config["BLOCK_M"], config["BLOCK_N"]))
+    if not profile.triton_tensor_cores:  # the dK/dV kernel's four products: K, Q; P, dO; V, dO; dS, Q
+        return _sm75_shared_memory(itemsize * (2 * large * head_dim + 4 * small * head_dim + 2 * small * large))
+    streamed = 2 * small * head_dim * itemsize
+    kept = 2 * large * head_dim * itemsize
+    scores = 2 * small * large * itemsize
+    stages = config.get("num_stages", 3)
+    buffers = stages if profile.arch >= 90 else max(1, stages - 1) if profile.arch >= 80 else 1
+    return buffers * streamed + kept + scores
+
+
+def forward_config(head_dim: int, profile: runtime.GPUProfile | None = None) -> dict:
+    """Tiles, warps and stages of the forward kernel for ``profile`` (default: this GPU's, see runtime.gpu_profile):
+    the first rung of the ladder above whose shared memory fits. In the interpreter, small tiles keep each step
+    cheap."""
+    profile = profile or runtime.gpu_profile()
+    if profile is None:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    # From the sweeps in benchmarks/bench_flash_attention.py on the H200 (recorded in its results file): 128x128
-    # with 8 warps at D=128; 64x64 with 4 warps at D=64, where four programs fit on one SM (shared memory: 4 x 57 KB).
-    if head_dim <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
+    ladder = (FORWARD_LADDER_SM75 if not profile.triton_tensor_cores else FORWARD_LADDER)[64 if head_dim <= 64 else 128]
+    return first_that_fits("flash_attention", [_rung(r) for r in ladder],
+                           lambda c: forward_shared_memory(c, head_dim, profile), profile)
 
 
-def backward_config(head_dim: int) -> dict:
-    """Tiles and warps for the two backward kernels, each its own: the dK/dV kernel holds a key tile (BLOCK_N) and
-    streams query tiles (BLOCK_M) past it; the dQ kernel the other way round. So the tile a kernel keeps is the
-    large one, the tile it streams the small one (as in Triton's fused-attention tutorial)."""
-    if not runtime.on_gpu():
+def backward_config(head_dim: int, profile: runtime.GPUProfile | None = None) -> dict:
+    """Tiles, warps and stages for the two backward kernels, each its own (see BACKWARD_LADDER), for ``profile``
+    (default: this GPU's)."""
+    profile = profile or runtime.gpu_profile()
+    if profile is None:
         small = dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
         return {"dkdv": small, "dq": small}
-    # From the recorded sweep: a 64-row kept tile and 32-row streamed tiles, 4 warps, was the fastest at D=128.
-    return {"dkdv": dict(BLOCK_M=32, BLOCK_N=64, num_warps=4, num_stages=3),
-            "dq": dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=3)}
+    ladder = BACKWARD_LADDER if profile.triton_tensor_cores else BACKWARD_LADDER_SM75
+    dkdv = first_that_fits("flash_attention backward", [_rung(r) for r in ladder],
+                           lambda c: backward_shared_memory(c, head_dim, profile), profile)
+    # dQ keeps the query tile: the same sizes, the other way round.
+    return {"dkdv": dkdv, "dq": dict(dkdv, BLOCK_M=dkdv["BLOCK_N"], BLOCK_N=dkdv["BLOCK_M"])}
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -14,6 +14,7 @@ read once per KV head, not once per query head.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
 import triton
@@ -21,11 +22,12 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+from lessonlib.ops._common import check_tensors, first_that_fits, launch, next_power_of_2
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
+REDUCE_WARPS = 4  # the reduce kernel: a (splits, D) float32 tile per program, shared memory only for its sums
 MIN_BLOCKS_PER_SPLIT = 4  # a split shorter than this spends more on its partial result than on K/V
-TOKENS_PER_STEP = 64  # K/V rows gathered per loop iteration (several cache blocks)
+TOKENS_PER_STEP = 64  # K/V rows gathered per loop iteration (several cache blocks), where it fits: split_config
 
 
 @triton.jit
@@ -126,6 +128,44 @@ def _paged_attention_reduce_kernel(
     tl.store(out_ptr + row * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
+def split_shared_memory(config: dict, head_dim: int, block_size: int, group: int, itemsize: int) -> int:
+    """Upper bound on the split kernel's shared memory: the K and V rows of one step (the loads are gathers through
+    the block table, which Triton does not pipeline: the compiled kernels need the same bytes at 2 and 3 stages) plus
+    a quarter for the layout conversions around the two products, and the query-side tiles (q and p as operands, up
+    to 4 x BLOCK_G x D bytes: measured on sm_75, less elsewhere). Compiled at D=128, 16 bits, 64 tokens: 39 KB on
+    sm_80/sm_90 and 40 KB on sm_75, for 32 KB of K and V rows; at 32 tokens on sm_75 24 KB. Checked against the
+    compiled kernels by tests/ops/test_compile_targets.py."""
+    kv = 2 * config["BLOCKS_PER_STEP"] * block_size * head_dim * itemsize
+    return 5 * kv // 4 + 4 * _block_g(group) * head_dim
+
+
+def _block_g(group: int) -> int:
+    return max(16, next_power_of_2(group))  # the query heads of one KV head, padded to a tl.dot-friendly 16
+
+
+@lru_cache(maxsize=None)
+def _split_config(head_dim: int, block_size: int, group: int, itemsize: int, profile: runtime.GPUProfile | None) -> dict:
+    if profile is None:  # the interpreter: no shared memory to fit
+        return dict(BLOCKS_PER_STEP=max(1, TOKENS_PER_STEP // block_size), num_warps=4)
+    # TOKENS_PER_STEP rows per step where they fit (the H200's choice, every benchmark shape there), else half, then a
+    # quarter: a T4's 64 KB holds 64 rows of D=128 in 16 bits but not in float32, nor 64 rows of D=256. On sm_75
+    # (FMA products) 64 rows spill (D=128, 16 bits: 255 registers and 640 B of spill stores; 32 rows: 208 registers,
+    # none; Triton 3.9, tools/compile_targets.py --registers), so a T4 starts at 32.
+    steps = (TOKENS_PER_STEP, TOKENS_PER_STEP // 2, TOKENS_PER_STEP // 4)
+    ladder = [dict(BLOCKS_PER_STEP=max(1, tokens // block_size), num_warps=4)
+              for tokens in (steps if profile.triton_tensor_cores else steps[1:])]
+    return first_that_fits("paged_attention", ladder,
+                           lambda c: split_shared_memory(c, head_dim, block_size, group, itemsize), profile)
+
+
+def split_config(head_dim: int, block_size: int, group: int, dtype: torch.dtype,
+                 profile: runtime.GPUProfile | None = None) -> dict:
+    """Cache blocks per loop step and warps of the split kernel, for ``group`` query heads per KV head, on ``profile``
+    (default: this GPU's, see runtime.gpu_profile). num_stages is Triton's default: the gathers are not pipelined
+    (see split_shared_memory)."""
+    return _split_config(head_dim, block_size, group, dtype.itemsize, profile or runtime.gpu_profile())
+
+
 def _multiprocessors() -> int:
     profile = runtime.gpu_profile()
     return profile.multiprocessors if profile is not None else 4
@@ -192,14 +232,15 @@ def check_inputs(q, k_cache, v_cache, block_table, seq_lens, *, validate: bool =
 def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
-    blocks_per_step: int | None = None, num_warps: int = 4, num_stages: int | None = None, validate: bool = True,
+    blocks_per_step: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
 
     q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
     power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
     ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step``, ``num_warps`` and
-    ``num_stages`` are tuning knobs for benchmarks. ``validate=False`` skips the checks that read block_table and seq_lens (they
+    ``num_stages`` override :func:`split_config` (tuning knobs for benchmarks). ``validate=False`` skips the checks that read block_table and seq_lens (they
     cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
     by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
     Returns (B, H, D).
@@ -219,20 +260,22 @@ def paged_attention(
     partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
     group = heads // kv_heads
+    config = split_config(head_dim, block_size, group, q.dtype)
     precise = q.dtype == torch.float32 and runtime.on_gpu()  # the interpreter's exp is NumPy's: precise already
     launch(
         _paged_attention_split_kernel, (batch, kv_heads, splits),
         q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum,
         sm_scale if sm_scale is not None else head_dim ** -0.5,
         q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
-        GROUP=group, BLOCK_G=max(16, next_power_of_2(group)), BLOCK_SIZE=block_size,
-        BLOCKS_PER_STEP=blocks_per_step or max(1, TOKENS_PER_STEP // block_size), HEAD_DIM=head_dim,
-        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise, num_warps=num_warps,
+        GROUP=group, BLOCK_G=_block_g(group), BLOCK_SIZE=block_size,
+        BLOCKS_PER_STEP=blocks_per_step or config["BLOCKS_PER_STEP"], HEAD_DIM=head_dim,
+        INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise,
+        num_warps=num_warps or config["num_warps"],
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
     launch(
         _paged_attention_reduce_kernel, (batch * heads,),
         partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits), HEAD_DIM=head_dim,
-        PRECISE_EXP=precise, num_warps=4,
+        PRECISE_EXP=precise, num_warps=REDUCE_WARPS,
     )
     return out

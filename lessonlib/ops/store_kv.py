@@ -32,6 +32,13 @@ def _store_kv_kernel(
         tl.store(v_cache_ptr + slot * row + cols, tl.load(v_ptr + token * v_token_stride + cols, mask=mask), mask=mask)
 
 
+def config(row: int, profile=None) -> dict:
+    """BLOCK (elements of a token's row copied per step) and warps.
+    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
+    and needs no shared memory beyond nothing (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
+    return dict(BLOCK=min(next_power_of_2(row), 4096), num_warps=4)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
              validate: bool = True) -> None:
     """k, v: (T, num_kv_heads, head_dim); k_cache, v_cache: (num_blocks, block_size, num_kv_heads, head_dim),
@@ -63,6 +70,5 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         raise ValueError(f"store_kv: slots must lie in [0, {num_slots})")
     if validate and torch.unique(slots).numel() != slots.numel():
         raise ValueError("store_kv: two tokens map to the same slot")
-    block = min(next_power_of_2(row), 4096)
     launch(_store_kv_kernel, (k.shape[0],), k, v, k_cache, v_cache, slots.to(torch.int64), k.stride(0), v.stride(0),
-           row, BLOCK=block, num_warps=4)
+           row, **config(row))

@@ -42,6 +42,14 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def config(n_cols: int, profile=None) -> dict:
+    """BLOCK and warps for rows of ``n_cols`` elements.
+    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
+    and needs no shared memory beyond nothing (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
+    block = min(next_power_of_2(n_cols), BLOCK)
+    return dict(BLOCK=block, num_warps=num_warps_for(block))
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused. gate, up: (..., I) of one shape; rows may be strided (e.g. the two halves of one
     combined gate/up projection), the last dimension must be contiguous. Returns a new contiguous tensor."""
@@ -56,10 +64,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     n_cols = gate.shape[-1]
     # At decode sizes each of these Python-level tensor calls costs microseconds: skip them for 2-D inputs.
     gate2d, up2d = (gate, up) if gate.dim() == 2 else (gate.reshape(-1, n_cols), up.reshape(-1, n_cols))
-    block = min(next_power_of_2(n_cols), BLOCK)
+    meta = config(n_cols)
     launch(
-        _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, block),),
-        gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols,
-        BLOCK=block, num_warps=num_warps_for(block),
+        _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, meta["BLOCK"]),),
+        gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols, **meta,
     )
     return out

@@ -1,0 +1,305 @@
+"""Compile every kernel of lessonlib.ops for a GPU architecture, on a machine with no such GPU (or none at all), with
+the configuration its launcher would pick there, and report the shared memory each compiled kernel asks for.
+
+    LESSONLIB_MODE=compile LESSONLIB_GPU_PROFILE=t4 python tools/compile_targets.py            # a table
+    LESSONLIB_MODE=compile LESSONLIB_GPU_PROFILE=t4 python tools/compile_targets.py --json     # one JSON line per kernel
+    ... --registers   # also run the Triton wheel's ptxas -v: registers and spill stores per thread
+
+How: Triton compiles for the target its *active driver* reports. A stand-in driver that reports
+``GPUTarget("cuda", arch, 32)`` and launches nothing makes ``JITFunction.warmup(...)`` compile the whole pipeline
+(Triton IR, LLVM IR, PTX, and a cubin from the wheel's ptxas) for that architecture. ``compiled.metadata.shared``
+is the dynamic shared memory the launch will ask for; the driver compares it with the GPU's opt-in limit when the
+kernel is loaded (``OutOfResources: shared memory``). tests/ops/test_compile_targets.py runs this in CI.
+
+Runs in ``LESSONLIB_MODE=compile`` (see lessonlib.runtime): the kernels must be defined for the compiler, not the
+interpreter, and ``runtime.gpu_profile()`` must be the profile whose choices are checked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from lessonlib import runtime  # noqa: E402
+
+
+def stand_in_driver(arch: int):
+    """A Triton driver that reports ``sm_<arch>`` as the current target and has no device: enough for
+    ``JITFunction.warmup`` to compile (warmup never launches). Its device id is the arch, so that each target gets its
+    own entry in the kernel's per-device cache."""
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.driver import DriverBase
+
+    class StandInDriver(DriverBase):
+        @classmethod
+        def is_active(cls):
+            return False  # never picked by Triton itself
+
+        def map_python_to_cpp_type(self, ty):
+            raise RuntimeError("stand-in driver: compile only, nothing launches")
+
+        def get_current_target(self):
+            return GPUTarget("cuda", arch, 32)
+
+        def get_active_torch_device(self):
+            return torch.device("cpu")
+
+        def get_benchmarker(self):
+            raise RuntimeError("stand-in driver: compile only, nothing launches")
+
+        def get_current_device(self):
+            return arch
+
+        def set_current_device(self, device):
+            pass
+
+        def get_current_stream(self, device=None):
+            return 0
+
+    return StandInDriver()
+
+
+def compile_for(kernel, arch: int, args: tuple, meta: dict):
+    """``kernel`` compiled for sm_<arch> with these arguments (torch dtypes stand for tensors of that dtype, ints and
+    floats as at a launch) and constexprs/options ``meta``. Returns Triton's CompiledKernel."""
+    import triton
+
+    triton.runtime.driver.set_active(stand_in_driver(arch))
+    try:
+        return kernel.warmup(*args, grid=(1,), **meta)
+    finally:
+        triton.runtime.driver.reset_active() if _has_real_driver() else None
+
+
+def _has_real_driver() -> bool:
+    return torch.cuda.is_available()
+
+
+def ptxas_usage(compiled, arch: int) -> dict:
+    """Registers per thread and spill stores (bytes) of a compiled kernel, from the Triton wheel's own ptxas -v."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(arch).path  # triton 3.9: a separate ptxas for sm_90 and newer
+    except TypeError:
+        ptxas = get_ptxas().path  # triton 3.6: one ptxas
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "kernel.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        run = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}{'a' if arch >= 90 else ''}", str(ptx),
+                              "-o", str(Path(tmp) / "kernel.cubin")], capture_output=True, text=True)
+    text = run.stdout + run.stderr
+    registers = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores", text)
+    return {"registers": int(registers.group(1)) if registers else None,
+            "spill_bytes": int(spills.group(1)) if spills else None}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The cases: every kernel of lessonlib.ops, with the configuration its launcher picks for the profile.
+
+
+@dataclass
+class Case:
+    """One kernel to compile: ``kernel.warmup(*args, **meta)`` as its launcher would launch it. ``estimate`` is the
+    launcher's own shared-memory estimate for this configuration (None for kernels whose configuration does not
+    depend on shared memory)."""
+
+    op: str
+    kernel: object
+    label: str  # what varies between cases of one kernel
+    dtype: torch.dtype
+    args: tuple
+    meta: dict
+    estimate: int | None = None
+    config: dict = field(default_factory=dict)
+    planted: bool = False  # a configuration no launcher picks here, compiled to show that the check catches it
+
+    @property
+    def name(self) -> str:
+        return self.kernel.fn.__name__
+
+
+def _contiguous_strides(*shape: int) -> tuple[int, ...]:
+    return torch.empty(shape, device="meta").stride()
+
+
+def dtypes_for(profile: runtime.GPUProfile) -> tuple[torch.dtype, ...]:
+    """Every dtype the kernels accept on this profile (runtime.supported_dtypes() for it): no bfloat16 below sm_80."""
+    return (torch.float32, torch.float16) + ((torch.bfloat16,) if profile.has_bfloat16 else ())
+
+
+def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> list[Case]:
+    """The kernels to compile for ``profile``, each with its launcher's configuration for that profile. With no
+    profile given, the launchers pick as they do at a launch, from ``runtime.gpu_profile()`` (in compile mode: the
+    profile named by LESSONLIB_GPU_PROFILE).
+
+    Coverage (every configuration a launcher can pick on this profile, and every dtype it accepts here):
+    - flash_attention's forward, dK/dV and dQ kernels at D=64 (full) and D=128 (causal): the ladders depend on the
+      head dimension only through D<=64 (D=16 and 32 take the D=64 rung, with less shared memory) and D=128; the
+      masking changes no buffer. The two 16-bit dtypes (bfloat16 where the arch has it) take turns: same bytes per
+      element, same configuration; flash_attention takes no float32 on a GPU.
+    - paged_attention's split kernel at D=128 in every dtype (query-head groups 1, 4 and 8) and at D=256 in 16 bits:
+      the configuration depends on D x element size, so D=256 in 16 bits stands for D=128 in float32's bytes per
+      row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
+      kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
+    - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv: one configuration
+      each on every GPU, at their largest blocks, in every dtype (they compile in seconds).
+    ``thorough=True`` compiles every dtype for every case instead.
+    """
+    import lessonlib.ops  # noqa: F401  (defines the kernels, in the mode already chosen)
+    import sys as _sys
+
+    fa = _sys.modules["lessonlib.ops.flash_attention"]
+    pa = _sys.modules["lessonlib.ops.paged_attention"]
+    sw = _sys.modules["lessonlib.ops.swiglu"]
+    rn = _sys.modules["lessonlib.ops.add_rms_norm"]
+    rp = _sys.modules["lessonlib.ops.apply_rope"]
+    kv = _sys.modules["lessonlib.ops.store_kv"]
+
+    given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
+    f32 = torch.float32
+    all_dtypes = dtypes_for(profile)
+    half = tuple(d for d in all_dtypes if d.itemsize == 2)
+    out: list[Case] = []
+
+    def pick(i: int, choices: tuple) -> tuple:
+        return choices if thorough else (choices[i % len(choices)],)
+
+    # flash_attention: (B, H, N, D) = (2, 32, 4096, D) contiguous, as the benchmark's target shapes.
+    for i, (head_dim, causal) in enumerate(((64, False), (128, True))):
+        qs = _contiguous_strides(2, 32, 4096, head_dim)[:3]
+        for dtype in pick(i, half):
+            forward = fa.forward_config(head_dim, given)
+            out.append(Case("flash_attention", fa._flash_attention_forward_kernel, f"D={head_dim} causal={causal}",
+                            dtype, (dtype, dtype, dtype, dtype, f32, *qs * 4, 32, 4096, 4096, head_dim ** -0.5),
+                            dict(GROUP=1, CAUSAL=causal, HEAD_DIM=head_dim, **forward),
+                            fa.forward_shared_memory(forward, head_dim, profile, dtype.itemsize), forward))
+            backward = fa.backward_config(head_dim, given)
+            for kernel, key, extra in ((fa._flash_attention_dkdv_kernel, "dkdv", (dtype, dtype)),
+                                       (fa._flash_attention_dq_kernel, "dq", (dtype,))):
+                config = backward[key]
+                heads = (32, 32) if key == "dkdv" else (32,)
+                out.append(Case("flash_attention", kernel, f"D={head_dim} causal={causal}", dtype,
+                                (dtype, dtype, dtype, dtype, f32, f32, *extra, *qs * 4, *heads, 4096, 4096,
+                                 head_dim ** -0.5),
+                                dict(GROUP=1, CAUSAL=causal, HEAD_DIM=head_dim, **config),
+                                fa.backward_shared_memory(config, head_dim, profile, dtype.itemsize), config))
+
+    # paged_attention: a pool of 2048 blocks of 16 tokens, 8 KV heads, batch 32 with 256-block tables.
+    block_size, kv_heads = 16, 8
+    paged = [(128, (1, 4, 8)[j], dtype) for j, dtype in enumerate(all_dtypes)] + [(256, 8, half[-1])]
+    if thorough:
+        paged += [(256, 4, dtype) for dtype in all_dtypes]
+    for head_dim, group, dtype in paged:
+        config = pa.split_config(head_dim, block_size, group, dtype, given)
+        cache = _contiguous_strides(2048, block_size, kv_heads, head_dim)
+        heads = kv_heads * group
+        out.append(Case(
+            "paged_attention", pa._paged_attention_split_kernel, f"D={head_dim} GROUP={group}", dtype,
+            (dtype, dtype, dtype, torch.int32, torch.int32, f32, f32, f32, head_dim ** -0.5,
+             heads * head_dim, head_dim, 256, *cache[:3], 8, 32),
+            dict(GROUP=group, BLOCK_G=max(16, pa.next_power_of_2(group)), BLOCK_SIZE=block_size,
+                 HEAD_DIM=head_dim, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
+                 PRECISE_EXP=dtype == f32, **config),
+            pa.split_shared_memory(config, head_dim, block_size, group, dtype.itemsize), config))
+    most_splits = pa.num_splits_for(1, 1, 1 << 20, profile.multiprocessors)
+    config = dict(BLOCK_S=pa.next_power_of_2(most_splits), num_warps=pa.REDUCE_WARPS)
+    for dtype in half:
+        out.append(Case("paged_attention", pa._paged_attention_reduce_kernel, f"splits={most_splits} D=256", dtype,
+                        (f32, f32, f32, dtype, most_splits), dict(HEAD_DIM=256, PRECISE_EXP=False, **config),
+                        config=config))
+
+    # The fused element-wise ops, at their largest blocks.
+    for dtype in all_dtypes:
+        config = sw.config(14336, given)
+        out.append(Case("swiglu", sw._swiglu_kernel, "I=14336", dtype, (dtype, dtype, dtype, 14336, 28672, 28672, 14336),
+                        config, config=config))
+        for n_cols in (rn.MAX_ONE_PASS_COLS, 2 * rn.MAX_ONE_PASS_COLS):
+            config = rn.config(n_cols, given)
+            out.append(Case("add_rms_norm", rn._add_rms_norm_kernel, f"H={n_cols}", dtype,
+                            (dtype, dtype, dtype, dtype, dtype, n_cols, n_cols, n_cols, 1e-6), config, config=config))
+        config = rp.config(32, 8, 128, given)
+        q_strides, k_strides = _contiguous_strides(2, 32, 4096, 128)[:3], _contiguous_strides(2, 8, 4096, 128)[:3]
+        out.append(Case("apply_rope", rp._apply_rope_kernel, "H=32 Hkv=8 D=128", dtype,
+                        (dtype, dtype, dtype, dtype, dtype, dtype, 4096, 32, 8, 64, *q_strides, *k_strides,
+                         0, 128, 0, 128, *q_strides, *k_strides), config, config=config))
+        config = kv.config(8 * 128, given)
+        out.append(Case("store_kv", kv._store_kv_kernel, "Hkv=8 D=128", dtype,
+                        (dtype, dtype, dtype, dtype, torch.int64, 1024, 1024, 1024), config, config=config))
+    return out
+
+
+def planted_case(profile: runtime.GPUProfile) -> Case:
+    """The H200's D=128 forward configuration, whatever the profile: on a GPU with less shared memory than an H200,
+    a kernel that must fail the shared-memory check (tests/ops/test_compile_targets.py plants it to see it caught)."""
+    import sys as _sys
+
+    fa = _sys.modules["lessonlib.ops.flash_attention"]
+    config = fa.forward_config(128, runtime.PROFILES["h200"])
+    qs = _contiguous_strides(2, 32, 4096, 128)[:3]
+    dtype = torch.float16
+    return Case("flash_attention", fa._flash_attention_forward_kernel, "D=128 causal=False (planted)", dtype,
+                (dtype, dtype, dtype, dtype, torch.float32, *qs * 4, 32, 4096, 4096, 128 ** -0.5),
+                dict(GROUP=1, CAUSAL=False, HEAD_DIM=128, **config),
+                fa.forward_shared_memory(config, 128, profile), config, planted=True)
+
+
+def compile_case(case: Case, profile: runtime.GPUProfile, registers: bool = False) -> dict:
+    """Compile one case for the profile's architecture; a JSON-able record of what was asked and what came out."""
+    start = time.perf_counter()
+    compiled = compile_for(case.kernel, profile.arch, case.args, case.meta)
+    record = {
+        "arch": profile.arch, "profile": profile.name, "op": case.op, "kernel": case.name, "label": case.label,
+        "dtype": str(case.dtype).removeprefix("torch."),
+        "config": case.config,
+        "shared": compiled.metadata.shared, "limit": profile.shared_memory_per_block, "estimate": case.estimate,
+        "seconds": round(time.perf_counter() - start, 1), "planted": case.planted,
+    }
+    if registers:
+        record.update(ptxas_usage(compiled, profile.arch))
+    return record
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--json", action="store_true", help="one JSON line per compiled kernel")
+    parser.add_argument("--registers", action="store_true", help="also registers and spills (the wheel's ptxas -v)")
+    parser.add_argument("--thorough", action="store_true", help="every dtype for every case")
+    parser.add_argument("--only", default="", help="compile only kernels whose name contains this")
+    parser.add_argument("--plant", action="store_true", help="also compile the H200's D=128 forward tiles here")
+    args = parser.parse_args(argv)
+    if runtime.mode() != "compile":
+        parser.error("run with LESSONLIB_MODE=compile and LESSONLIB_GPU_PROFILE=<profile> (see lessonlib.runtime)")
+    profile = runtime.gpu_profile()
+    for case in cases(thorough=args.thorough) + ([planted_case(profile)] if args.plant else []):
+        if args.only not in case.name:
+            continue
+        record = compile_case(case, profile, registers=args.registers)
+        if args.json:
+            print(json.dumps(record), flush=True)
+        else:
+            config = " ".join(f"{k}={v}" for k, v in record["config"].items())
+            extra = f" regs={record['registers']} spill={record['spill_bytes']}B" if args.registers else ""
+            print(f"sm_{record['arch']} {record['kernel']:<34} {record['dtype']:<9} {record['label']:<22} {config:<60} "
+                  f"shared={record['shared']:>6} estimate={record['estimate']} limit={record['limit']}{extra}",
+                  flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
