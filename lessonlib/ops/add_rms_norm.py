@@ -305,7 +305,9 @@ def _backward(ctx, grad_out, grad_residual_out):
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
+    # .clone, not .contiguous: an expanded gradient of no elements (from .sum() of an empty tensor) already
+    # counts as contiguous, stride 0 and all.
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
 
 
 _add_rms_norm_op.register_autograd(_backward, setup_context=_save_for_backward)

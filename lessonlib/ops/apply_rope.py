@@ -185,8 +185,8 @@ def _save_for_backward(ctx, inputs, output):
 
 def _backward(ctx, grad_q_rot, grad_k_rot):
     cos, sin = ctx.saved_tensors
-    grad_q_rot = grad_q_rot if grad_q_rot.stride(-1) == 1 else grad_q_rot.contiguous()
-    grad_k_rot = grad_k_rot if grad_k_rot.stride(-1) == 1 else grad_k_rot.contiguous()
+    grad_q_rot = grad_q_rot if grad_q_rot.stride(-1) == 1 else grad_q_rot.clone(memory_format=torch.contiguous_format)
+    grad_k_rot = grad_k_rot if grad_k_rot.stride(-1) == 1 else grad_k_rot.clone(memory_format=torch.contiguous_format)
     grad_q, grad_k = torch.ops.lessonlib.apply_rope_backward(grad_q_rot, grad_k_rot, cos, sin)
     return grad_q, grad_k, None, None
 

@@ -164,7 +164,7 @@ def _save_for_backward(ctx, inputs, output):
 
 def _backward(ctx, grad_out):
     gate, up = ctx.saved_tensors
-    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.clone(memory_format=torch.contiguous_format)
     return torch.ops.lessonlib.swiglu_backward(grad_out, gate, up)
 
 
