@@ -46,7 +46,7 @@ def _check(k, v, k_cache, v_cache, slots) -> None:
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("store_kv: k_cache and v_cache must be contiguous")
     for name, t in (("k", k), ("v", v)):
-        if t.shape[0] > 0 and t.stride(1) != k.shape[2]:
+        if t.shape[0] > 0 and t.shape[1] > 1 and t.stride(1) != k.shape[2]:  # one head: its stride is never used
             raise ValueError(f"store_kv: each token's {name} row (num_kv_heads, head_dim) must be contiguous")
     if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (k.shape[0],):
         raise TypeError(f"store_kv: slots must be an integer tensor of shape ({k.shape[0]},)")
