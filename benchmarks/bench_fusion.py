@@ -6,6 +6,9 @@ Checks every op against its reference first (on the GPU, bf16 included), then ti
   * the ceilings: device-to-device copy bandwidth and bf16 matmul rate;
   * swiglu (T=8192, I=14336) and add_rms_norm (T=8192, H=4096), bf16: lessonlib, eager, torch.compile, and a
     sweep of the kernels' block size / warps (the launchers' heuristics come from it);
+  * the backward: swiglu's and add_rms_norm's fused gradient kernels (checked against float64 autograd first)
+    against eager autograd and torch.compile's backward, each timed as the backward pass alone (the graph is
+    built once, then differentiated with retain_graph=True), plus a sweep of add_rms_norm backward's programs;
   * the small-T regime, T = 1 ... 8192, time per call in a loop of back-to-back calls (launch overhead included);
   * apply_rope and the whole GatedMLP (where fusion stops paying: GEMMs dominate);
   * launch counts from torch.profiler for each implementation;
@@ -25,11 +28,12 @@ import torch  # noqa: E402
 
 from lessonlib import ops, reference, runtime, traffic  # noqa: E402
 from lessonlib.measure import Ceilings, count_launches, measure_ceilings, time_copy, time_fn  # noqa: E402
-from lessonlib.ops.add_rms_norm import TWO_PASS_BLOCK, _add_rms_norm_kernel  # noqa: E402
+from lessonlib.ops.add_rms_norm import TWO_PASS_BLOCK, _add_rms_norm_kernel, add_rms_norm_backward  # noqa: E402
 from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for  # noqa: E402
-from lessonlib.ops.swiglu import _swiglu_kernel  # noqa: E402
+from lessonlib.ops.add_rms_norm import add_rms_norm_forward  # noqa: E402
+from lessonlib.ops.swiglu import _swiglu_kernel, swiglu_backward, swiglu_forward  # noqa: E402
 from lessonlib.results import Results, environment  # noqa: E402
-from lessonlib.testing import check_close, poisoned_outputs, to_float64  # noqa: E402
+from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64  # noqa: E402
 
 
 def randn(*shape, dtype):
@@ -47,6 +51,21 @@ def check_ops(dtype, tokens, hidden, intermediate):
         out, _ = ops.add_rms_norm(x, res, w)
     check_close("add_rms_norm", out, reference.add_rms_norm(*to_float64(x, res, w))[0], reference.add_rms_norm(x, res, w)[0])
     print(f"checked swiglu and add_rms_norm against float64 at T={tokens}, {dtype}")
+    check_gradients("swiglu", ops.swiglu, reference.swiglu, (gate, up), ("gate", "up"))
+    check_gradients("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm, (x, res, w, 1e-6),
+                    ("x", "residual", "weight", None))
+    print(f"checked the gradients of swiglu and add_rms_norm against float64 autograd at T={tokens}, {dtype}")
+
+
+def backward_only(fn, *args):
+    """A function running only the backward pass of ``fn(*args)``: the forward graph is built once here, and each
+    call differentiates it again (retain_graph=True), so a timing holds no forward kernel."""
+    leaves = [a.detach().clone().requires_grad_() if isinstance(a, torch.Tensor) else a for a in args]
+    outs = fn(*leaves)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [torch.randn_like(o) for o in outs]
+    inputs = [a for a in leaves if isinstance(a, torch.Tensor)]
+    return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
 
 
 def per_call_us(fn, calls):
@@ -139,6 +158,40 @@ def main():
         record("add_rms_norm", f"sweep warps={warps}", shape, time_fn(run).median_us, rn_bytes, sweep=True)
     del x, res, w, out, res_out
 
+    # --- the backward: fused gradient kernels against eager autograd and torch.compile's backward ---------------
+    gate, up = randn(T, I, dtype=dtype), randn(T, I, dtype=dtype)
+    grad = randn(T, I, dtype=dtype)
+    shape = {"T": T, "I": I}
+    model = traffic.swiglu_backward(T, I, itemsize)
+    record("swiglu_backward", "lessonlib (kernel)", shape, time_fn(swiglu_backward, grad, gate, up).median_us,
+           model.fused.bytes)
+    for impl, fn in (("lessonlib (autograd)", ops.swiglu), ("eager", reference.swiglu),
+                     ("torch.compile", compiled(reference.swiglu))):
+        record("swiglu_backward", impl, shape, time_fn(backward_only(fn, gate, up)).median_us, model.fused.bytes,
+               eager_model_bytes=model.eager.bytes)
+    del gate, up, grad
+
+    x, res, w = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype), randn(H, dtype=dtype)
+    grad, grad_res = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype)
+    _, h = add_rms_norm_forward(x, res, w)
+    shape = {"T": T, "H": H}
+    programs_per_sm = (1, 2) if smoke else (1, 2, 4, 8)
+    sms = runtime.gpu_profile().multiprocessors if runtime.on_gpu() else 2
+    default_model = traffic.add_rms_norm_backward(T, H, itemsize, programs=min(T, 2 * sms))
+    record("add_rms_norm_backward", "lessonlib (kernel)", shape,
+           time_fn(add_rms_norm_backward, grad, grad_res, h, w).median_us, default_model.fused.bytes)
+    for per_sm in programs_per_sm:
+        programs = min(T, per_sm * sms)
+        model = traffic.add_rms_norm_backward(T, H, itemsize, programs=programs)
+        record("add_rms_norm_backward", f"sweep programs={per_sm} per SM", shape,
+               time_fn(lambda p=programs: add_rms_norm_backward(grad, grad_res, h, w, programs=p)).median_us,
+               model.fused.bytes, sweep=True)
+    for impl, fn in (("lessonlib (autograd)", ops.add_rms_norm), ("eager", reference.add_rms_norm),
+                     ("torch.compile", compiled(reference.add_rms_norm))):
+        record("add_rms_norm_backward", impl, shape, time_fn(backward_only(fn, x, res, w)).median_us,
+               default_model.fused.bytes, eager_model_bytes=default_model.eager.bytes)
+    del x, res, w, grad, grad_res, h
+
     # --- small T: launch overhead ----------------------------------------------------------------------------
     token_counts = (1, 4, 16) if smoke else (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
     sw_compiled, rn_compiled = compiled(reference.swiglu), compiled(reference.add_rms_norm)
@@ -163,10 +216,18 @@ def main():
         "torch.empty only": lambda: torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
         "bare Triton launch (inputs ready)": lambda: _swiglu_kernel[(-(-I // block),)](gate, up, out, I, I, I, I, BLOCK=block, num_warps=num_warps_for(block)),
         "lessonlib.ops.swiglu": lambda: ops.swiglu(gate, up),
+        "swiglu_forward (the launcher alone)": lambda: swiglu_forward(gate, up),
+        "torch.ops.lessonlib.swiglu (custom op dispatch)": lambda: torch.ops.lessonlib.swiglu(gate, up),
         "eager silu·mul": lambda: reference.swiglu(gate, up),
     }
     for impl, fn in steps.items():
         record("launch_overhead", impl, {"T": 1, "I": I}, per_call_us(fn, calls), regime="per call, back to back")
+    x, res, w = randn(1, H, dtype=dtype), randn(1, H, dtype=dtype), randn(H, dtype=dtype)
+    for impl, fn in {"lessonlib.ops.add_rms_norm": lambda: ops.add_rms_norm(x, res, w),
+                     "add_rms_norm_forward (the launcher alone)": lambda: add_rms_norm_forward(x, res, w),
+                     "torch.ops.lessonlib.add_rms_norm (custom op dispatch)":
+                         lambda: torch.ops.lessonlib.add_rms_norm(x, res, w, 1e-6)}.items():
+        record("launch_overhead", impl, {"T": 1, "H": H}, per_call_us(fn, calls), regime="per call, back to back")
 
     # --- apply_rope: Llama-8B-like attention shapes ----------------------------------------------------------
     heads, kv_heads, head_dim = (4, 2, 32) if smoke else (32, 8, 128)

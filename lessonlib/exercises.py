@@ -1166,3 +1166,24 @@ def _check_capture(fn, dtype) -> None:
             check_close("graph_safe_decode_step (replayed)", out, want, want_low)
         except AssertionError as e:
             raise ExerciseFailed(f"{e}\n  at replay {step} of the captured graph") from None
+
+
+def check_fused_backward() -> None:
+    """The gradients of lessonlib's fused ops (swiglu, add_rms_norm, apply_rope), through autograd and their Triton
+    backward kernels, against float64 autograd through the reference: odd shapes, every supported dtype, gradients
+    poisoned (NaN) until the backward kernels write them. Raises AssertionError with the worst element otherwise."""
+    from lessonlib import ops
+    from lessonlib.testing import check_gradients
+
+    for dtype in runtime.supported_dtypes():
+        for shape in SWIGLU_SHAPES:
+            gate, up = _inputs(shape, shape, dtype=dtype)
+            check_gradients("swiglu", ops.swiglu, reference.swiglu, (gate, up), ("gate", "up"))
+        for shape in ADD_RMS_NORM_SHAPES:
+            x, residual, weight = _inputs(shape, shape, shape[-1:], dtype=dtype)
+            check_gradients("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm, (x, residual, weight, 1e-6),
+                            ("x", "residual", "weight", None))
+        q, k = _inputs((2, 4, 7, 64), (2, 2, 7, 64), dtype=dtype)
+        cos, sin = reference.rope_cos_sin(torch.arange(7, device=runtime.device()), 64, dtype=dtype)
+        check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin), ("q", "k", None, None))
+    print("✓ gradients of swiglu, add_rms_norm and apply_rope match float64 autograd (odd shapes x every supported dtype)")

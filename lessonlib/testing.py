@@ -141,3 +141,41 @@ def check_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
             raise AssertionError(f"{name}: no gradient reached {which}")
         check_close(f"{name} d{which}", ours.grad, theirs.grad, lowp.grad, magnitudes[which])
     return out
+
+
+def check_gradients(name: str, fn, reference_fn, args: tuple, names: tuple) -> None:
+    """Check ``fn(*args)``'s outputs and the gradients of its inputs against float64 autograd through
+    ``reference_fn``, each within the tolerance rule above (the low-precision yardstick: PyTorch's own autograd
+    through the reference in the inputs' dtype). ``names[i]`` names argument i; arguments named None get no
+    gradient (tables, eps). Every output gets a fresh random gradient; outputs and gradients start as NaN
+    (poisoned), so an element a backward kernel never writes fails."""
+    wanted = [n is not None for n in names]
+
+    def leaves(convert):
+        return [convert(a).requires_grad_() if want else (convert(a) if isinstance(a, torch.Tensor) else a)
+                for a, want in zip(args, wanted)]
+
+    def run(f, inputs, grads):
+        outs = f(*inputs)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        torch.autograd.backward(outs, [g.to(o.dtype) for o, g in zip(outs, grads)])
+        return outs
+
+    ours = leaves(lambda a: a.detach().clone())
+    probe = reference_fn(*[a.detach() if isinstance(a, torch.Tensor) else a for a in args])
+    grads = [torch.randn(o.shape, dtype=torch.float32, device=o.device).to(o.dtype)
+             for o in (probe if isinstance(probe, tuple) else (probe,))]
+    with poisoned_outputs():
+        outs = run(fn, ours, grads)
+    truth = leaves(lambda a: a.detach().to(torch.float64))
+    truth_outs = run(reference_fn, truth, grads)
+    low = leaves(lambda a: a.detach().clone())
+    low_outs = run(reference_fn, low, grads)
+    for i, (o, t, lp) in enumerate(zip(outs, truth_outs, low_outs)):
+        check_close(f"{name} output {i}", o, t.detach(), lp.detach())
+    for n, o, t, lp in zip(names, ours, truth, low):
+        if n is None:
+            continue
+        if o.grad is None:
+            raise AssertionError(f"{name}: no gradient reached {n}")
+        check_close(f"{name} d{n}", o.grad, t.grad, lp.grad)

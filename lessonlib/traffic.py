@@ -138,7 +138,66 @@ def gated_mlp(tokens: int, hidden: int, intermediate: int, itemsize: int = 2) ->
     return OpTraffic("gated_mlp", {"T": tokens, "H": hidden, "I": intermediate}, eager, fused)
 
 
+def swiglu_backward(tokens: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
+    """d(gate), d(up) from d(out). Eager autograd keeps silu(gate) from the forward and runs mul's backward (two
+    products) then silu's backward; the fused kernel keeps gate and up, recomputes sigmoid(gate) in registers and
+    writes both gradients in one pass."""
+    n = tokens * intermediate * itemsize
+    elems = tokens * intermediate
+    eager = Chain("eager", (
+        Kernel("d(silu) = grad * up", 2 * n, n, elems),
+        Kernel("d(up) = grad * silu(gate)", 2 * n, n, elems),
+        Kernel("silu_backward(d(silu), gate)", 2 * n, n, 5 * elems),
+    ))
+    fused = Chain("fused", (Kernel("swiglu backward", 3 * n, 2 * n, 10 * elems),))
+    return OpTraffic("swiglu_backward", {"T": tokens, "I": intermediate}, eager, fused)
+
+
+def add_rms_norm_backward(tokens: int, hidden: int, itemsize: int = 2, programs: int = 264) -> OpTraffic:
+    """d(x) = d(residual), d(weight) from the gradients of both outputs. Eager autograd walks back through every
+    kernel of the forward (float32 temporaries included); the fused kernel reads d(out), d(updated residual) and
+    the saved updated residual once, writes d_h once (x and residual share it), and ``programs`` partial rows of
+    d(weight) in float32, which one small reduction sums (2 x 132 SMs on an H200 by default)."""
+    elems = tokens * hidden
+    n, f, w = elems * itemsize, elems * FP32, hidden * itemsize
+    row = tokens * FP32
+    upcast = itemsize != FP32
+    kernels = [
+        Kernel("d(weight) terms: grad * normalized", 2 * n, n, elems),
+        Kernel("sum over rows → d(weight)", n, w, elems),
+        Kernel("d(normalized) = grad * weight", n + w, n, elems),
+    ]
+    if upcast:
+        kernels.append(Kernel("to(float32)", n, f, 0))
+    kernels += [
+        Kernel("d(hidden) * rstd", f + row, f, elems),
+        Kernel("d(hidden) * hidden", 2 * f, f, elems),
+        Kernel("sum → d(rstd)", f, row, elems),
+        Kernel("rstd ** 3", row, row, 2 * tokens),
+        Kernel("* -0.5", row, row, tokens),
+        Kernel("d(rstd) * · → d(variance)", 2 * row, row, tokens),
+        Kernel("mean's backward: expand / H", row, f, elems),
+        Kernel("pow's backward: hidden ** 1", f, f, elems),
+        Kernel("* 2", f, f, elems),
+        Kernel("d(variance) * 2 hidden", 2 * f, f, elems),
+        Kernel("add the two d(hidden)", 2 * f, f, elems),
+    ]
+    if upcast:
+        kernels.append(Kernel("to(dtype)", f, n, 0))
+    kernels.append(Kernel("+ d(updated residual)", 2 * n, n, elems))
+    partial = programs * hidden * FP32
+    fused = [
+        Kernel("add_rms_norm backward", 3 * n + w, n + partial, 8 * elems),
+        Kernel("sum partial d(weight) rows", partial, hidden * FP32, programs * hidden),
+    ]
+    if upcast:
+        fused.append(Kernel("to(dtype)", hidden * FP32, w, 0))
+    return OpTraffic("add_rms_norm_backward", {"T": tokens, "H": hidden}, Chain("eager", tuple(kernels)),
+                     Chain("fused", tuple(fused)))
+
+
 OPS = {"swiglu": swiglu, "add_rms_norm": add_rms_norm, "apply_rope": apply_rope, "gated_mlp": gated_mlp}
+BACKWARD_OPS = {"swiglu": swiglu_backward, "add_rms_norm": add_rms_norm_backward}
 
 
 def score_matrix_bytes(tokens: int, heads: int = 32, itemsize: int = 2, batch: int = 1) -> int:

@@ -82,3 +82,10 @@ def test_check_apply_rope_catches_the_other_rotation_convention():
 
     with pytest.raises(ExerciseFailed, match="q_rot"):
         check_apply_rope(interleaved)
+
+
+def test_check_fused_backward_passes_on_the_library_kernels(capsys):
+    from lessonlib.exercises import check_fused_backward
+
+    check_fused_backward()
+    assert "✓ gradients" in capsys.readouterr().out

@@ -45,3 +45,33 @@ def test_roofline_floor_takes_the_larger_term():
     assert gemm.flops / peak > gemm.bytes / bandwidth  # compute-bound at T=8192
     assert chain.time_floor_s(bandwidth, peak) == pytest.approx(
         sum(max(k.bytes / bandwidth, k.flops / peak) for k in chain.kernels))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_backward_launch_counts_match_the_model(dtype):
+    # Eager: autograd through the reference; fused: the custom op's backward. Only the backward pass is counted.
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    T, H, I = 5, 64, 96
+    gate, up = randn(T, I, dtype=dtype).requires_grad_(), randn(T, I, dtype=dtype).requires_grad_()
+    x, res, w = (randn(T, H, dtype=dtype).requires_grad_(), randn(T, H, dtype=dtype).requires_grad_(),
+                 randn(H, dtype=dtype).requires_grad_())
+    cases = {
+        "swiglu": (traffic.swiglu_backward(T, I, itemsize), reference.swiglu, ops.swiglu, (gate, up)),
+        "add_rms_norm": (traffic.add_rms_norm_backward(T, H, itemsize), reference.add_rms_norm, ops.add_rms_norm,
+                         (x, res, w)),
+    }
+    for name, (model, eager, fused, args) in cases.items():
+        for impl, fn, expected in (("eager", eager, model.eager.launches), ("fused", fused, model.fused.launches)):
+            outs = fn(*args)
+            outs = outs if isinstance(outs, tuple) else (outs,)
+            grads = [torch.randn_like(o) for o in outs]
+            count = count_launches(lambda: torch.autograd.grad(outs, args, grads, retain_graph=True))
+            assert count.total == expected, (name, impl, dict(count.by_name))
+
+
+def test_fused_backward_bytes():
+    n = 8192 * 14336 * 2
+    assert traffic.swiglu_backward(8192, 14336).fused.bytes == 5 * n
+    assert traffic.swiglu_backward(8192, 14336).eager.bytes == 9 * n
+    partial = 264 * 4096 * 4
+    assert traffic.add_rms_norm_backward(8192, 4096).fused.bytes == 4 * 8192 * 4096 * 2 + 2 * 4096 * 2 + 2 * partial + 2 * 4096 * 4

@@ -15,6 +15,5 @@ from lessonlib.ops.paged_attention import paged_attention  # noqa: E402
 from lessonlib.ops.paged_prefill_attention import paged_prefill_attention  # noqa: E402
 from lessonlib.ops.store_kv import store_kv  # noqa: E402
 from lessonlib.ops.swiglu import swiglu  # noqa: E402
-from lessonlib.ops import library  # noqa: E402  registers torch.ops.lessonlib.* for torch.compile
 
 __all__ = ["add_rms_norm", "apply_rope", "flash_attention", "paged_attention", "paged_prefill_attention", "store_kv", "swiglu", "FusedGatedMLP"]

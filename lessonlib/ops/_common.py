@@ -73,3 +73,14 @@ def first_that_fits(op: str, candidates, shared_memory, profile) -> dict:
             return candidate
     raise ValueError(f"{op}: no configuration fits the {profile.shared_memory_per_block // 1024} KB of shared memory "
                        f"per block of the {profile.name} (smallest needs {shared_memory(candidates[-1]) // 1024} KB)")
+
+
+def refuse_gradient(op: str, why: str, **tensors: torch.Tensor) -> None:
+    """Raise for an op without a backward when autograd would record it: a tensor it returns would carry no
+    gradient, and training would go on with that part of the model silently frozen. Under ``torch.no_grad()`` or
+    ``torch.inference_mode()`` (where serving code runs) nothing is recorded and the call goes through."""
+    if torch.is_grad_enabled():
+        for name, t in tensors.items():
+            if getattr(t, "requires_grad", False):
+                raise RuntimeError(f"{op}: no gradient flows to {name} ({why}), but {name} requires grad; call it "
+                                   f"under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")

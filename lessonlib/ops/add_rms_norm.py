@@ -3,6 +3,20 @@
 A pre-norm block does ``residual = x + residual; h = rms_norm(residual) * weight``. Eager PyTorch runs about
 seven kernels for that, several with float32 temporaries. The fused kernel reads x, residual and weight once and
 writes the normalized output and the updated residual once: 4 passes over a (T, H) tensor, the minimum.
+
+Backward: with h = x + residual (the updated residual), n = h * rstd and out = weight * n,
+
+    d_h = d(updated residual) + rstd * (d_n - n * mean(d_n * n)),  d_n = d(out) * weight,  d(x) = d(residual) = d_h
+    d(weight) = sum over rows of d(out) * n
+
+The forward saves nothing of its own: h is one of its outputs, and rstd and n are recomputed from h in registers
+(the row is loaded anyway). One program walks a run of rows and keeps its share of d(weight) in float32 registers;
+the per-program partial rows are then summed by one small reduction. Every program owns its partial row, so no two
+programs add into the same address (atomics on one (H,) vector from every row would serialize), and the sum is
+deterministic. Liger-Kernel's and Apex's RMSNorm backward do the same.
+
+``add_rms_norm`` is the op a model calls: ``torch.ops.lessonlib.add_rms_norm`` (a custom op with a fake and an
+autograd formula) when autograd or torch.compile needs it, the launcher directly otherwise.
 """
 
 from __future__ import annotations
@@ -11,6 +25,7 @@ import torch
 import triton.language as tl
 import triton
 
+from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
@@ -86,21 +101,82 @@ def _add_rms_norm_kernel(
             tl.store(out_ptr + cols, out.to(dtype), mask=mask)
 
 
-def config(n_cols: int, profile=None) -> dict:
-    """BLOCK, ONE_PASS and warps for rows of ``n_cols`` elements.
-    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
-    and needs no shared memory beyond the sum of squares across warps (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
-    if n_cols <= MAX_ONE_PASS_COLS:
-        block = next_power_of_2(n_cols)
-        return dict(BLOCK=block, ONE_PASS=True, num_warps=min(16, max(1, block // ELEMENTS_PER_WARP)))
-    return dict(BLOCK=TWO_PASS_BLOCK, ONE_PASS=False, num_warps=16)
+@triton.jit
+def _add_rms_norm_backward_kernel(
+    grad_out_ptr,  # (n_rows, n_cols): d(normalized), rows grad_out_row_stride apart
+    grad_residual_out_ptr,  # (n_rows, n_cols): d(updated residual), rows grad_residual_out_row_stride apart
+    residual_out_ptr,  # (n_rows, n_cols) contiguous: the forward's updated residual h, saved
+    weight_ptr,  # (n_cols,)
+    grad_h_ptr,  # (n_rows, n_cols) contiguous: d_h, the gradient of x and of residual alike
+    partial_grad_weight_ptr,  # (n_programs, n_cols) float32: row p = sum over program p's rows of d(out) * n
+    n_rows,
+    n_cols,
+    rows_per_program,
+    grad_out_row_stride,
+    grad_residual_out_row_stride,
+    eps,
+    BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
+    ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: the row, and this program's share of d(weight), stay in registers
+):
+    pid = tl.program_id(0)
+    first = pid * rows_per_program
+    last = tl.minimum(first + rows_per_program, n_rows)
+    partial_ptr = partial_grad_weight_ptr + pid.to(tl.int64) * n_cols
+    dtype = grad_h_ptr.dtype.element_ty
+
+    if ONE_PASS:
+        cols = tl.arange(0, BLOCK)
+        mask = cols < n_cols
+        w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # once per program, not per row
+        grad_w = tl.zeros([BLOCK], dtype=tl.float32)
+        for row in range(first, last):
+            row = tl.cast(row, tl.int64)
+            h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+            g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            g_res = tl.load(grad_residual_out_ptr + row * grad_residual_out_row_stride + cols, mask=mask, other=0.0)
+            rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)  # as the forward computed it
+            n = h * rstd
+            grad_w += g * n.to(dtype).to(tl.float32)  # the forward multiplied weight by n rounded to the dtype
+            grad_n = g * w
+            grad_h = rstd * (grad_n - n * (tl.sum(grad_n * n, axis=0) / n_cols)) + g_res.to(tl.float32)
+            tl.store(grad_h_ptr + row * n_cols + cols, grad_h.to(dtype), mask=mask)
+        tl.store(partial_ptr + cols, grad_w, mask=mask)
+    else:
+        # Wide rows: two passes per row, and this program's partial row of d(weight) lives in memory (its own row:
+        # no other program touches it). Pass 1 takes the row's two sums; pass 2 writes d_h and adds into d(weight).
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            tl.store(partial_ptr + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=cols < n_cols)
+        for row in range(first, last):
+            row = tl.cast(row, tl.int64)
+            sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
+            sum_grad_h = tl.zeros([BLOCK], dtype=tl.float32)  # sum of d_n * h: mean(d_n * n) = rstd * sum / n_cols
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                sum_sq += h * h
+                sum_grad_h += g * w * h
+            rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
+            mean_grad_n = rstd * tl.sum(sum_grad_h, axis=0) / n_cols
+            tl.debug_barrier()  # the partial row read below was stored by this program's previous row
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                mask = cols < n_cols
+                h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                g_res = tl.load(grad_residual_out_ptr + row * grad_residual_out_row_stride + cols, mask=mask, other=0.0)
+                w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+                n = h * rstd
+                grad_h = rstd * (g * w - n * mean_grad_n) + g_res.to(tl.float32)
+                tl.store(grad_h_ptr + row * n_cols + cols, grad_h.to(dtype), mask=mask)
+                partial = tl.load(partial_ptr + cols, mask=mask, other=0.0)
+                tl.store(partial_ptr + cols, partial + g * n.to(dtype).to(tl.float32), mask=mask)
 
 
-def add_rms_norm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused ``residual + x`` then RMSNorm; returns ``(normalized, updated_residual)`` like
-    ``lessonlib.reference.add_rms_norm``. x, residual: (..., H) of one shape; weight: (H,)."""
+def _check(x, residual, weight, eps) -> None:
     check_tensors("add_rms_norm", x=x, residual=residual, weight=weight)
     if x.shape != residual.shape:
         raise ValueError(f"add_rms_norm: x and residual must have the same shape, got {tuple(x.shape)} and {tuple(residual.shape)}")
@@ -111,14 +187,147 @@ def add_rms_norm(
         raise ValueError(f"add_rms_norm: weight must have shape ({n_cols},) to match x's last dimension, got {tuple(weight.shape)}")
     if not eps >= 0:
         raise ValueError(f"add_rms_norm: eps must be >= 0, got {eps}")
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    return t if t.dim() == 2 else t.reshape(-1, n_cols)  # skip the reshape call at decode sizes
+
+
+def config(n_cols: int, profile=None) -> dict:
+    """BLOCK, ONE_PASS and warps for rows of ``n_cols`` elements.
+    The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
+    and needs no shared memory beyond the sum of squares across warps (compiled for sm_75 to sm_90: tests/ops/test_compile_targets.py)."""
+    if n_cols <= MAX_ONE_PASS_COLS:
+        block = next_power_of_2(n_cols)
+        return dict(BLOCK=block, ONE_PASS=True, num_warps=min(16, max(1, block // ELEMENTS_PER_WARP)))
+    return dict(BLOCK=TWO_PASS_BLOCK, ONE_PASS=False, num_warps=16)
+
+
+def add_rms_norm_forward(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launcher: fused ``residual + x`` then RMSNorm; returns ``(normalized, updated_residual)`` like
+    ``lessonlib.reference.add_rms_norm``. x, residual: (..., H) of one shape; weight: (H,). No autograd: models
+    call :func:`add_rms_norm`."""
+    _check(x, residual, weight, eps)
+    n_cols = x.shape[-1]
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out, residual_out
-    x2d, residual2d = (x, residual) if x.dim() == 2 else (x.reshape(-1, n_cols), residual.reshape(-1, n_cols))
+    x2d, residual2d = _rows(x, n_cols), _rows(residual, n_cols)
     launch(
         _add_rms_norm_kernel, (x2d.shape[0],),
         x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
         **config(n_cols),
     )
     return out, residual_out
+
+
+# Programs of the backward per multiprocessor: each walks a run of rows with its partial d(weight) in registers.
+# More programs hide more memory latency but add partial rows to reduce (programs x H x 4 bytes: 4.3 MB at
+# 2 x 132 SMs and H=4096, against 268 MB of row traffic at T=8192). Not yet swept on a GPU: bench_fusion.py
+# times 1, 2, 4 and 8 (records "add_rms_norm backward sweep").
+BACKWARD_PROGRAMS_PER_SM = 2
+
+
+def _backward_programs(n_rows: int) -> int:
+    profile = runtime.gpu_profile()
+    target = profile.multiprocessors * BACKWARD_PROGRAMS_PER_SM if profile is not None else 4
+    return max(1, min(n_rows, target))
+
+
+def add_rms_norm_backward(
+    grad_out: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor, weight: torch.Tensor,
+    eps: float = 1e-6, programs: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward launcher: ``(d_h, d_weight)`` from the gradients of both outputs, the forward's updated residual
+    h and the weight. d_h is the gradient of x and of residual alike (h = x + residual). ``programs``: how many
+    programs share the rows (default: :data:`BACKWARD_PROGRAMS_PER_SM` per multiprocessor), a benchmark knob."""
+    check_tensors("add_rms_norm backward", grad_out=grad_out, grad_residual_out=grad_residual_out,
+                  residual_out=residual_out, weight=weight)
+    if not (grad_out.shape == grad_residual_out.shape == residual_out.shape):
+        raise ValueError(f"add_rms_norm backward: gradients {tuple(grad_out.shape)}, {tuple(grad_residual_out.shape)} "
+                         f"and the updated residual {tuple(residual_out.shape)} must have one shape")
+    n_cols = residual_out.shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"add_rms_norm backward: weight must have shape ({n_cols},), got {tuple(weight.shape)}")
+    residual_out = residual_out if residual_out.is_contiguous() else residual_out.contiguous()
+    grad_h = torch.empty(residual_out.shape, dtype=residual_out.dtype, device=residual_out.device)
+    n_rows = residual_out.numel() // n_cols if n_cols else 0
+    if n_rows == 0 or n_cols == 0:
+        return grad_h, torch.zeros_like(weight)  # no rows: d(weight) is an empty sum
+    programs = max(1, min(n_rows, programs)) if programs else _backward_programs(n_rows)
+    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = triton.cdiv(n_rows, rows_per_program)
+    partial = torch.empty(programs, n_cols, dtype=torch.float32, device=weight.device)
+    grad2d, grad_res2d = _rows(grad_out, n_cols), _rows(grad_residual_out, n_cols)
+    launch(
+        _add_rms_norm_backward_kernel, (programs,),
+        grad2d, grad_res2d, residual_out, weight, grad_h, partial, n_rows, n_cols, rows_per_program,
+        grad2d.stride(0), grad_res2d.stride(0), float(eps),
+        **config(n_cols),
+    )
+    return grad_h, partial.sum(0).to(weight.dtype)  # the second, small reduction: programs x H float32
+
+
+# --- the op: torch.ops.lessonlib.add_rms_norm, with a fake implementation and a gradient ------------------------
+
+@torch.library.custom_op("lessonlib::add_rms_norm", mutates_args=())
+def _add_rms_norm_op(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_forward(x, residual, weight, eps)
+
+
+@_add_rms_norm_op.register_fake
+def _(x, residual, weight, eps):
+    _check(x, residual, weight, eps)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device), torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+@torch.library.custom_op("lessonlib::add_rms_norm_backward", mutates_args=())
+def _add_rms_norm_backward_op(grad_out: torch.Tensor, grad_residual_out: torch.Tensor, residual_out: torch.Tensor,
+                              weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return add_rms_norm_backward(grad_out, grad_residual_out, residual_out, weight, eps)
+
+
+@_add_rms_norm_backward_op.register_fake
+def _(grad_out, grad_residual_out, residual_out, weight, eps):
+    return (torch.empty(residual_out.shape, dtype=residual_out.dtype, device=residual_out.device),
+            torch.empty(weight.shape, dtype=weight.dtype, device=weight.device))
+
+
+def _save_for_backward(ctx, inputs, output):
+    x, residual, weight, eps = inputs
+    ctx.save_for_backward(output[1], weight)  # h, an output anyway; rstd and n are recomputed from it
+    ctx.eps = eps
+
+
+def _backward(ctx, grad_out, grad_residual_out):
+    residual_out, weight = ctx.saved_tensors
+    grad_h, grad_weight = torch.ops.lessonlib.add_rms_norm_backward(
+        _last_dim_contiguous(grad_out), _last_dim_contiguous(grad_residual_out), residual_out, weight, ctx.eps)
+    return grad_h, grad_h, grad_weight, None  # x + residual: both inputs receive d_h (as PyTorch's add does)
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    # .clone, not .contiguous: an expanded gradient of no elements (from .sum() of an empty tensor) already
+    # counts as contiguous, stride 0 and all.
+    return t if t.stride(-1) == 1 else t.clone(memory_format=torch.contiguous_format)
+
+
+_add_rms_norm_op.register_autograd(_backward, setup_context=_save_for_backward)
+_ADD_RMS_NORM = torch.ops.lessonlib.add_rms_norm.default
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused ``residual + x`` then RMSNorm, with gradients for x, residual and weight: the op a model calls
+    (``lessonlib.reference.add_rms_norm``'s twin). Returns ``(normalized, updated_residual)``. x, residual: (..., H)
+    of one shape; weight: (H,). Goes through the custom op ``torch.ops.lessonlib.add_rms_norm`` when autograd must
+    record it or torch.compile traces it, straight to :func:`add_rms_norm_forward` otherwise."""
+    if (getattr(x, "requires_grad", False) or getattr(residual, "requires_grad", False)
+            or getattr(weight, "requires_grad", False) or torch.compiler.is_compiling()):
+        return _ADD_RMS_NORM(x, residual, weight, eps)
+    return add_rms_norm_forward(x, residual, weight, eps)

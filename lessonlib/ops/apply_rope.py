@@ -3,6 +3,14 @@
 Eager PyTorch builds rotate_half with a slice, a negation and a concatenation, then two multiplies and an add, for
 q and again for k: about a dozen kernels and as many temporaries. The fused kernel reads each (b, t) row of
 cos/sin once, rotates every head of q and of k with it, and writes q_rot and k_rot once.
+
+Backward: RoPE is linear in q and k, a rotation of each (x1, x2) pair by the position's angle, so the gradient is
+the transposed map: the same kernel rotating d(q_rot) and d(k_rot) the other way (``INVERSE``). It needs only
+cos and sin: nothing of the forward is saved. Tables are constants: no gradient flows to cos and sin (asking for
+one is an error).
+
+``apply_rope`` is the op a model calls: ``torch.ops.lessonlib.apply_rope`` (a custom op with a fake and an autograd
+formula) when autograd or torch.compile needs it, the launcher directly otherwise.
 """
 
 from __future__ import annotations
@@ -11,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2, refuse_gradient
 
 
 @triton.jit
@@ -25,6 +33,7 @@ def _rotate_heads(
     cos1, cos2, sin1, sin2,  # (BLOCK_D,) float32: the two halves of this position's cos and sin rows
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    INVERSE: tl.constexpr,  # rotate by minus the angle: the backward (the transpose of the rotation)
 ):
     d = tl.arange(0, BLOCK_D)[None, :]
     for h0 in range(0, n_heads, BLOCK_H):
@@ -34,9 +43,14 @@ def _rotate_heads(
         out_row = out_ptr + h * out_head_stride + d
         x1 = tl.load(x_row, mask=mask).to(tl.float32)
         x2 = tl.load(x_row + half, mask=mask).to(tl.float32)
-        # rotate_half(x) = (-x2, x1), so x * cos + rotate_half(x) * sin is, half by half:
-        out1 = x1 * cos1 - x2 * sin1
-        out2 = x2 * cos2 + x1 * sin2
+        if INVERSE:
+            # The transpose of the map below: out1 takes what x1 fed (x1 * cos1 and x1 * sin2), out2 what x2 fed.
+            out1 = x1 * cos1 + x2 * sin2
+            out2 = x2 * cos2 - x1 * sin1
+        else:
+            # rotate_half(x) = (-x2, x1), so x * cos + rotate_half(x) * sin is, half by half:
+            out1 = x1 * cos1 - x2 * sin1
+            out2 = x2 * cos2 + x1 * sin2
         tl.store(out_row, out1.to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(out_row + half, out2.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -54,6 +68,7 @@ def _apply_rope_kernel(
     q_out_stride_b, q_out_stride_h, q_out_stride_t,
     k_out_stride_b, k_out_stride_h, k_out_stride_t,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
+    INVERSE: tl.constexpr,  # the backward: rotate the gradients back
 ):
     pid = tl.program_id(0).to(tl.int64)  # one program per (b, t)
     b = pid // seq_len
@@ -68,17 +83,33 @@ def _apply_rope_kernel(
     sin2 = tl.load(sin_row + half + d, mask=dmask).to(tl.float32)[None, :]
     _rotate_heads(
         q_ptr + b * q_stride_b + t * q_stride_t, q_out_ptr + b * q_out_stride_b + t * q_out_stride_t,
-        n_q_heads, q_stride_h, q_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D,
+        n_q_heads, q_stride_h, q_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D, INVERSE,
     )
     _rotate_heads(
         k_ptr + b * k_stride_b + t * k_stride_t, k_out_ptr + b * k_out_stride_b + t * k_out_stride_t,
-        n_kv_heads, k_stride_h, k_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D,
+        n_kv_heads, k_stride_h, k_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D, INVERSE,
     )
 
 
 def _heads_block(n_heads: int, block_d: int) -> int:
     # A tile of heads x half-dims of at most 4096 elements per half keeps registers in check.
     return max(1, min(next_power_of_2(n_heads), 4096 // block_d))
+
+
+def _check(q, k, cos, sin) -> None:
+    check_tensors("apply_rope", q=q, k=k, cos=cos, sin=sin)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"apply_rope: q and k must be 4-D (B, H, T, D), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+    batch, n_q_heads, seq_len, head_dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
+        raise ValueError(f"apply_rope: k {tuple(k.shape)} must match q {tuple(q.shape)} in B, T and D (heads may differ)")
+    if head_dim % 2:
+        raise ValueError(f"apply_rope: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.dim() not in (2, 3) or tuple(table.shape[-2:]) != (seq_len, head_dim) or (
+            table.dim() == 3 and table.shape[0] not in (1, batch)
+        ):
+            raise ValueError(f"apply_rope: {name} must be (T, D) = ({seq_len}, {head_dim}) or (B, T, D) with B in (1, {batch}), got {tuple(table.shape)}")
 
 
 def config(n_q_heads: int, n_kv_heads: int, head_dim: int, profile=None) -> dict:
@@ -90,29 +121,11 @@ def config(n_q_heads: int, n_kv_heads: int, head_dim: int, profile=None) -> dict
                 BLOCK_D=block_d, num_warps=4)
 
 
-def apply_rope(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fused rotary embedding; returns ``(q_rot, k_rot)`` like ``lessonlib.reference.apply_rope``.
-
-    q: (B, H, T, D); k: (B, Hkv, T, D); cos, sin: (T, D) or (B, T, D) (a leading 1 broadcasts). D must be even.
-    """
-    check_tensors("apply_rope", q=q, k=k, cos=cos, sin=sin)
-    if q.dim() != 4 or k.dim() != 4:
-        raise ValueError(f"apply_rope: q and k must be 4-D (B, H, T, D), got shapes {tuple(q.shape)} and {tuple(k.shape)}")
+def _rotate(q, k, cos, sin, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the kernel on checked inputs: rotate every head of q and k by its position's angle (or back)."""
     batch, n_q_heads, seq_len, head_dim = q.shape
-    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq_len, head_dim):
-        raise ValueError(f"apply_rope: k {tuple(k.shape)} must match q {tuple(q.shape)} in B, T and D (heads may differ)")
-    if head_dim % 2:
-        raise ValueError(f"apply_rope: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
-    tables = {}
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.dim() not in (2, 3) or tuple(table.shape[-2:]) != (seq_len, head_dim) or (
-            table.dim() == 3 and table.shape[0] not in (1, batch)
-        ):
-            raise ValueError(f"apply_rope: {name} must be (T, D) = ({seq_len}, {head_dim}) or (B, T, D) with B in (1, {batch}), got {tuple(table.shape)}")
-        tables[name] = table.expand(batch, seq_len, head_dim)  # stride 0 along B when broadcast
-    cos, sin = tables["cos"], tables["sin"]
+    cos = cos.expand(batch, seq_len, head_dim)  # stride 0 along B when one table serves every batch row
+    sin = sin.expand(batch, seq_len, head_dim)
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     if q.numel() == 0 or k.numel() == 0:
         return q_out, k_out
@@ -122,6 +135,81 @@ def apply_rope(
         q, k, cos, sin, q_out, k_out, seq_len, n_q_heads, k.shape[1], half,
         *q.stride()[:3], *k.stride()[:3], cos.stride(0), cos.stride(1), sin.stride(0), sin.stride(1),
         *q_out.stride()[:3], *k_out.stride()[:3],
-        **config(n_q_heads, k.shape[1], head_dim),
+        INVERSE=inverse, **config(n_q_heads, k.shape[1], head_dim),
     )
     return q_out, k_out
+
+
+def apply_rope_forward(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward launcher: fused rotary embedding; returns ``(q_rot, k_rot)`` like ``lessonlib.reference.apply_rope``.
+
+    q: (B, H, T, D); k: (B, Hkv, T, D); cos, sin: (T, D) or (B, T, D) (a leading 1 broadcasts). D must be even.
+    No autograd: models call :func:`apply_rope`.
+    """
+    _check(q, k, cos, sin)
+    return _rotate(q, k, cos, sin, inverse=False)
+
+
+def apply_rope_backward(
+    grad_q_rot: torch.Tensor, grad_k_rot: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward launcher: ``(d q, d k)``, the gradients rotated back by the same tables."""
+    _check(grad_q_rot, grad_k_rot, cos, sin)
+    return _rotate(grad_q_rot, grad_k_rot, cos, sin, inverse=True)
+
+
+# --- the op: torch.ops.lessonlib.apply_rope, with a fake implementation and a gradient --------------------------
+
+@torch.library.custom_op("lessonlib::apply_rope", mutates_args=())
+def _apply_rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope_forward(q, k, cos, sin)
+
+
+@_apply_rope_op.register_fake
+def _(q, k, cos, sin):
+    _check(q, k, cos, sin)
+    return torch.empty_like(q), torch.empty_like(k)
+
+
+@torch.library.custom_op("lessonlib::apply_rope_backward", mutates_args=())
+def _apply_rope_backward_op(grad_q_rot: torch.Tensor, grad_k_rot: torch.Tensor, cos: torch.Tensor,
+                            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return apply_rope_backward(grad_q_rot, grad_k_rot, cos, sin)
+
+
+@_apply_rope_backward_op.register_fake
+def _(grad_q_rot, grad_k_rot, cos, sin):
+    return torch.empty_like(grad_q_rot), torch.empty_like(grad_k_rot)
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, cos, sin = inputs
+    ctx.save_for_backward(cos, sin)  # the tables only: the backward never reads q or k
+
+
+def _backward(ctx, grad_q_rot, grad_k_rot):
+    cos, sin = ctx.saved_tensors
+    grad_q_rot = grad_q_rot if grad_q_rot.stride(-1) == 1 else grad_q_rot.clone(memory_format=torch.contiguous_format)
+    grad_k_rot = grad_k_rot if grad_k_rot.stride(-1) == 1 else grad_k_rot.clone(memory_format=torch.contiguous_format)
+    grad_q, grad_k = torch.ops.lessonlib.apply_rope_backward(grad_q_rot, grad_k_rot, cos, sin)
+    return grad_q, grad_k, None, None
+
+
+_apply_rope_op.register_autograd(_backward, setup_context=_save_for_backward)
+_APPLY_ROPE = torch.ops.lessonlib.apply_rope.default
+
+
+def apply_rope(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fused rotary embedding with gradients for q and k: the op a model calls (``lessonlib.reference.apply_rope``'s
+    twin). Returns ``(q_rot, k_rot)``. q: (B, H, T, D); k: (B, Hkv, T, D); cos, sin: (T, D) or (B, T, D) (a leading
+    1 broadcasts), constants: no gradient flows to them. D must be even. Goes through the custom op
+    ``torch.ops.lessonlib.apply_rope`` when autograd must record it or torch.compile traces it."""
+    refuse_gradient("apply_rope", "the rotary tables are constants", cos=cos, sin=sin)
+    if getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False) or torch.compiler.is_compiling():
+        return _APPLY_ROPE(q, k, cos, sin)
+    return apply_rope_forward(q, k, cos, sin)

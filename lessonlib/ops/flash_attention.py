@@ -9,6 +9,10 @@ Backward (FlashAttention-2): P is recomputed from Q, K and the saved LSE instead
 over every query tile and every query head of its GQA group (no atomics), and one kernel per query tile accumulates
 dQ over the key/value tiles.
 
+``flash_attention`` is the op a model calls: the custom op ``torch.ops.lessonlib.flash_attention`` (fake
+implementation, autograd formula calling ``torch.ops.lessonlib.flash_attention_backward``) when autograd or
+torch.compile needs it, the forward launcher directly otherwise.
+
 Causal attention is aligned to the end (query i sees keys j <= i + Nkv - Nq). Key tiles entirely above the diagonal
 are never visited; tiles that need no mask (fully visible, fully in bounds) run a mask-free loop, and only the
 diagonal band and the ragged last tile pay for masking.
@@ -435,20 +439,53 @@ def backward(q, k, v, out, lse, grad_out, causal, sm_scale, config=None):
     return dq, dk, dv
 
 
-class _FlashAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, causal, sm_scale, config):
-        out, lse = _forward(q, k, v, causal, sm_scale, config)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.mark_non_differentiable(lse)
-        ctx.causal, ctx.sm_scale = causal, sm_scale
-        return out, lse
+# --- the op: torch.ops.lessonlib.flash_attention, with a fake implementation and a gradient ---------------------
+# Registered as custom ops (forward and backward alike) so that torch.compile treats each as one opaque node: Dynamo
+# cannot trace into a Triton launch in interpreter mode, and AOTAutograd traces the backward with fake tensors.
 
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
-        return dq, dk, dv, None, None, None
+@torch.library.custom_op("lessonlib::flash_attention", mutates_args=())
+def _flash_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                        sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    check_inputs(q, k, v)
+    return _forward(q, k, v, causal, sm_scale)
+
+
+@_flash_attention_op.register_fake
+def _(q, k, v, causal, sm_scale):
+    check_inputs(q, k, v)
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
+            torch.empty(q.shape[:3], dtype=torch.float32, device=q.device))
+
+
+@torch.library.custom_op("lessonlib::flash_attention_backward", mutates_args=())
+def _flash_attention_backward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                                 lse: torch.Tensor, grad_out: torch.Tensor, causal: bool,
+                                 sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return backward(q, k, v, out, lse, grad_out, causal, sm_scale)
+
+
+@_flash_attention_backward_op.register_fake
+def _(q, k, v, out, lse, grad_out, causal, sm_scale):
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=k.device),
+            torch.empty(k.shape, dtype=k.dtype, device=k.device))
+
+
+def _save_for_backward(ctx, inputs, output):
+    q, k, v, causal, sm_scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.mark_non_differentiable(lse)  # returned as a constant (return_lse=True): no gradient flows through it
+    ctx.causal, ctx.sm_scale = causal, sm_scale
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.lessonlib.flash_attention_backward(q, k, v, out, lse, grad_out, ctx.causal, ctx.sm_scale)
+    return dq, dk, dv, None, None
+
+
+_flash_attention_op.register_autograd(_backward, setup_context=_save_for_backward)
+_FLASH_ATTENTION = torch.ops.lessonlib.flash_attention.default
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
@@ -460,11 +497,26 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: b
     (query i sees keys j <= i + Nkv - Nq); a query that sees no key gets 0. Gradients flow to q, k and v through
     the Triton backward. ``return_lse=True`` also returns the log-sum-exp per query, (B, H, Nq) float32, as a
     constant (no gradient flows through it). ``config`` overrides the forward kernel's tiles and warps
-    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; see :func:`forward_config`): a knob for benchmarks.
+    (``BLOCK_M``, ``BLOCK_N``, ``num_warps``, ``num_stages``; see :func:`forward_config`): a knob for benchmarks,
+    eager and without autograd only.
+
+    Goes through the custom op ``torch.ops.lessonlib.flash_attention`` when autograd must record it or
+    torch.compile traces it, straight to the launcher otherwise.
     """
-    check_inputs(q, k, v)
-    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    if config is not None and not {"BLOCK_M", "BLOCK_N"} <= set(config):
-        raise ValueError(f"flash_attention: config needs BLOCK_M and BLOCK_N, got {sorted(config)}")
-    out, lse = _FlashAttention.apply(q, k, v, bool(causal), float(scale), config)
+    needs_op = (getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
+                or getattr(v, "requires_grad", False) or torch.compiler.is_compiling())
+    if config is not None:
+        if needs_op and (torch.is_grad_enabled() or torch.compiler.is_compiling()):
+            raise ValueError("flash_attention: config is a benchmark knob of the eager forward launcher; it cannot be "
+                             "used under torch.compile or with inputs that require grad")
+        if not {"BLOCK_M", "BLOCK_N"} <= set(config):
+            raise ValueError(f"flash_attention: config needs BLOCK_M and BLOCK_N, got {sorted(config)}")
+        needs_op = False
+    if needs_op:
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = _FLASH_ATTENTION(q, k, v, bool(causal), float(scale))
+    else:
+        check_inputs(q, k, v)
+        scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        out, lse = _forward(q, k, v, bool(causal), float(scale), config)
     return (out, lse) if return_lse else out

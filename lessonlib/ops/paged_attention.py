@@ -9,6 +9,10 @@ and sum, as FlashAttention does), and a second kernel combines the partial resul
 
 All query heads that share a KV head (grouped-query attention) are handled by the same program, so each K/V block is
 read once per KV head, not once per query head.
+
+``paged_attention`` is the op a model calls: the custom op ``torch.ops.lessonlib.paged_attention`` (with a fake
+implementation) under torch.compile, the launcher directly otherwise. It has no backward (a serving kernel: train
+with ``flash_attention``), so it refuses inputs that require grad rather than return a tensor without a gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, first_that_fits, launch, next_power_of_2
+from lessonlib.ops._common import check_tensors, first_that_fits, launch, next_power_of_2, refuse_gradient
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 REDUCE_WARPS = 4  # the reduce kernel: a (splits, D) float32 tile per program, shared memory only for its sums
@@ -229,13 +233,14 @@ def check_inputs(q, k_cache, v_cache, block_table, seq_lens, *, validate: bool =
         _check_tables(block_table, seq_lens, num_blocks, block_size)
 
 
-def paged_attention(
+def paged_attention_forward(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
     seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
     blocks_per_step: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """Decode attention through block tables, like ``lessonlib.reference.paged_attention``.
+    """The launcher: decode attention through block tables, like ``lessonlib.reference.paged_attention``. Models
+    call :func:`paged_attention` (same arguments).
 
     q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
     power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
@@ -279,3 +284,49 @@ def paged_attention(
         PRECISE_EXP=precise, num_warps=REDUCE_WARPS,
     )
     return out
+
+
+# --- the op: torch.ops.lessonlib.paged_attention, with a fake implementation, no gradient -------------------------
+
+@torch.library.custom_op("lessonlib::paged_attention", mutates_args=())
+def _paged_attention_op(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+    sm_scale: float | None, num_splits: int | None, blocks_per_step: int | None, num_warps: int | None,
+    num_stages: int | None, validate: bool,
+) -> torch.Tensor:
+    return paged_attention_forward(q, k_cache, v_cache, block_table, seq_lens, sm_scale, num_splits, blocks_per_step,
+                                   num_warps, num_stages, validate)
+
+
+@_paged_attention_op.register_fake
+def _(q, k_cache, v_cache, block_table, seq_lens, sm_scale, num_splits, blocks_per_step, num_warps, num_stages,
+      validate):
+    check_inputs(q, k_cache, v_cache, block_table, seq_lens, validate=False)  # the table checks read values
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+_PAGED_ATTENTION = torch.ops.lessonlib.paged_attention.default
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+    seq_lens: torch.Tensor, sm_scale: float | None = None, num_splits: int | None = None,
+    blocks_per_step: int | None = None, num_warps: int | None = None, num_stages: int | None = None, validate: bool = True,
+) -> torch.Tensor:
+    """Decode attention through block tables, like ``lessonlib.reference.paged_attention``: the op a model calls.
+
+    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
+    power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
+    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step``, ``num_warps`` and
+    ``num_stages`` override :func:`split_config` (tuning knobs for benchmarks). ``validate=False`` skips the checks that read block_table and seq_lens (they
+    cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
+    by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
+    No backward: inputs that require grad are refused (outside ``torch.no_grad()``). Returns (B, H, D).
+    """
+    refuse_gradient("paged_attention", "it has no backward: a decode kernel for serving; train with flash_attention",
+                    q=q, k_cache=k_cache, v_cache=v_cache)
+    if torch.compiler.is_compiling():
+        return _PAGED_ATTENTION(q, k_cache, v_cache, block_table, seq_lens, sm_scale, num_splits, blocks_per_step,
+                                num_warps, num_stages, validate)
+    return paged_attention_forward(q, k_cache, v_cache, block_table, seq_lens, sm_scale, num_splits, blocks_per_step,
+                                   num_warps, num_stages, validate)

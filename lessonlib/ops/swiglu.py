@@ -1,8 +1,16 @@
-"""swiglu: silu(gate) * up in one kernel.
+"""swiglu: silu(gate) * up in one kernel, and its gradient in one more.
 
 Eager PyTorch runs two kernels: silu reads gate and writes a temporary, mul reads the temporary and up and writes
 the output: 5 passes over a (T, I) tensor. The fused kernel reads gate and up once and writes the output once:
 3 passes. It is purely memory-bound (a handful of FLOPs per 6 bytes), so 3/5 of the bytes is 3/5 of the time.
+
+Backward: eager autograd keeps silu(gate) alive from the forward and runs three kernels (grad * silu, grad * up,
+silu's backward): 9 passes. The fused backward keeps only gate and up (already in memory: they are the GEMM's
+output), recomputes sigmoid(gate) in registers, and writes d(gate) and d(up) in one pass: 5 passes.
+
+``swiglu`` is the op a model calls: ``torch.ops.lessonlib.swiglu`` (a ``torch.library.custom_op`` with a fake
+implementation and an autograd formula) whenever autograd or torch.compile needs it, and the launcher directly
+otherwise, so that a decode step pays no dispatcher time.
 """
 
 from __future__ import annotations
@@ -42,6 +50,50 @@ def _swiglu_kernel(
     tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _swiglu_backward_kernel(
+    grad_ptr,  # (n_rows, n_cols): d(out), rows grad_row_stride apart, columns contiguous
+    gate_ptr,  # (n_rows, n_cols): the forward's gate, saved, rows gate_row_stride apart
+    up_ptr,  # (n_rows, n_cols): the forward's up, saved, rows up_row_stride apart
+    grad_gate_ptr,  # (n_rows, n_cols) contiguous: d(gate)
+    grad_up_ptr,  # (n_rows, n_cols) contiguous: d(up)
+    n_cols,
+    grad_row_stride,
+    gate_row_stride,
+    up_row_stride,
+    BLOCK: tl.constexpr,  # columns per program
+):
+    # The forward's grid and walk: same tensors, same shape, same reasons.
+    pid = tl.program_id(0)
+    blocks_per_row = tl.cdiv(n_cols, BLOCK)
+    row = (pid // blocks_per_row).to(tl.int64)
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n_cols
+    grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
+    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
+    sig = tl.sigmoid(gate)  # recomputed, not saved: a few FLOPs instead of a (T, I) tensor kept and re-read
+    silu = gate * sig
+    # d silu(g) / dg = sig + g * sig * (1 - sig) = sig * (1 + g * (1 - sig))
+    grad_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
+    grad_up = grad * silu
+    tl.store(grad_gate_ptr + row * n_cols + cols, grad_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_up_ptr + row * n_cols + cols, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
+
+
+def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
+    check_tensors("swiglu", gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+    if gate.dim() == 0:
+        raise ValueError("swiglu: expected tensors with at least one dimension, got scalars")
+
+
+def _rows(t: torch.Tensor, n_cols: int) -> torch.Tensor:
+    # At decode sizes each Python-level tensor call costs microseconds: skip the reshape for 2-D inputs.
+    return t if t.dim() == 2 else t.reshape(-1, n_cols)
+
+
 def config(n_cols: int, profile=None) -> dict:
     """BLOCK and warps for rows of ``n_cols`` elements.
     The same on every GPU, ``profile`` accepted for a uniform interface: the kernel keeps its elements in registers
@@ -50,23 +102,90 @@ def config(n_cols: int, profile=None) -> dict:
     return dict(BLOCK=block, num_warps=num_warps_for(block))
 
 
-def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, fused. gate, up: (..., I) of one shape; rows may be strided (e.g. the two halves of one
-    combined gate/up projection), the last dimension must be contiguous. Returns a new contiguous tensor."""
-    check_tensors("swiglu", gate=gate, up=up)
-    if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
-    if gate.dim() == 0:
-        raise ValueError("swiglu: expected tensors with at least one dimension, got scalars")
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The forward launcher: silu(gate) * up, fused. gate, up: (..., I) of one shape; rows may be strided (e.g. the
+    two halves of one combined gate/up projection), the last dimension must be contiguous. Returns a new contiguous
+    tensor. No autograd: models call :func:`swiglu`."""
+    _check(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
     n_cols = gate.shape[-1]
-    # At decode sizes each of these Python-level tensor calls costs microseconds: skip them for 2-D inputs.
-    gate2d, up2d = (gate, up) if gate.dim() == 2 else (gate.reshape(-1, n_cols), up.reshape(-1, n_cols))
+    gate2d, up2d = _rows(gate, n_cols), _rows(up, n_cols)
     meta = config(n_cols)
     launch(
         _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, meta["BLOCK"]),),
-        gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols, **meta,
+        gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols,
+        **meta,
     )
     return out
+
+
+def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward launcher: ``(d gate, d up)`` from d(out) and the forward's inputs, in one kernel."""
+    _check(gate, up)
+    check_tensors("swiglu backward", grad_out=grad_out, gate=gate)
+    if grad_out.shape != gate.shape:
+        raise ValueError(f"swiglu backward: grad_out has shape {tuple(grad_out.shape)}, gate {tuple(gate.shape)}")
+    grad_gate = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    grad_up = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    if gate.numel() == 0:
+        return grad_gate, grad_up
+    n_cols = gate.shape[-1]
+    grad2d, gate2d, up2d = _rows(grad_out, n_cols), _rows(gate, n_cols), _rows(up, n_cols)
+    meta = config(n_cols)
+    launch(
+        _swiglu_backward_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, meta["BLOCK"]),),
+        grad2d, gate2d, up2d, grad_gate, grad_up, n_cols, grad2d.stride(0), gate2d.stride(0), up2d.stride(0),
+        **meta,
+    )
+    return grad_gate, grad_up
+
+
+# --- the op: torch.ops.lessonlib.swiglu, with a fake implementation and a gradient ------------------------------
+
+@torch.library.custom_op("lessonlib::swiglu", mutates_args=())
+def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return swiglu_forward(gate, up)
+
+
+@_swiglu_op.register_fake
+def _(gate, up):
+    _check(gate, up)  # bad input fails while torch.compile traces, with the eager error
+    return torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+
+
+@torch.library.custom_op("lessonlib::swiglu_backward", mutates_args=())
+def _swiglu_backward_op(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return swiglu_backward(grad_out, gate, up)
+
+
+@_swiglu_backward_op.register_fake
+def _(grad_out, gate, up):
+    return (torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+            torch.empty(gate.shape, dtype=gate.dtype, device=gate.device))
+
+
+def _save_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # gate and up: alive anyway (the GEMM's output), so saving them costs nothing
+
+
+def _backward(ctx, grad_out):
+    gate, up = ctx.saved_tensors
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.clone(memory_format=torch.contiguous_format)
+    return torch.ops.lessonlib.swiglu_backward(grad_out, gate, up)
+
+
+_swiglu_op.register_autograd(_backward, setup_context=_save_for_backward)
+_SWIGLU = torch.ops.lessonlib.swiglu.default
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, fused, with a gradient: the op a model calls (``lessonlib.reference.swiglu``'s twin).
+
+    gate, up: (..., I) of one shape; rows may be strided, the last dimension must be contiguous. Goes through the
+    custom op ``torch.ops.lessonlib.swiglu`` when autograd must record it or torch.compile traces it; otherwise
+    straight to :func:`swiglu_forward` (the dispatcher would add host time to every decode-size call)."""
+    if getattr(gate, "requires_grad", False) or getattr(up, "requires_grad", False) or torch.compiler.is_compiling():
+        return _SWIGLU(gate, up)
+    return swiglu_forward(gate, up)

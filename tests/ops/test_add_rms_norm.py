@@ -3,7 +3,7 @@ import torch
 
 from lessonlib import ops, reference
 from lessonlib.ops.add_rms_norm import MAX_ONE_PASS_COLS
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
 
@@ -70,3 +70,33 @@ def test_add_rms_norm_more_rows_than_programs(dtype):
     check_close("add_rms_norm normalized", out, reference.add_rms_norm(*to_float64(x, residual, weight))[0],
                 reference.add_rms_norm(x, residual, weight)[0])
     torch.testing.assert_close(residual_out, x + residual, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 4, 50), (37, 24), (2, MAX_ONE_PASS_COLS + 777)])
+def test_add_rms_norm_gradients_match_float64_autograd(shape, dtype):
+    # (37, 24): more rows than backward programs (4 in the interpreter), so programs walk uneven runs of rows and
+    # the partial weight gradients are reduced; the last shape takes the two-pass backward.
+    x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, scale=4)
+    weight = randn(shape[-1], dtype=dtype)
+    check_gradients("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm, (x, residual, weight, 1e-5),
+                    ("x", "residual", "weight", None))
+
+
+def test_add_rms_norm_backward_programs_do_not_change_the_result():
+    # Any split of the rows over programs gives the same gradients up to float32 summation order.
+    grad, grad_res, h, weight = randn(29, 40), randn(29, 40), randn(29, 40), randn(40)
+    from lessonlib.ops.add_rms_norm import add_rms_norm_backward
+
+    one = add_rms_norm_backward(grad, grad_res, h, weight, programs=1)
+    for programs in (3, 29, 100):
+        with poisoned_outputs():
+            other = add_rms_norm_backward(grad, grad_res, h, weight, programs=programs)
+        torch.testing.assert_close(other[0], one[0], rtol=0, atol=0)  # per-row work: identical
+        torch.testing.assert_close(other[1], one[1], rtol=1e-5, atol=1e-5)
+
+
+def test_add_rms_norm_weight_gradient_of_no_rows_is_zero():
+    weight = randn(16).requires_grad_()
+    normed, _ = ops.add_rms_norm(randn(0, 16), randn(0, 16), weight)
+    normed.sum().backward()
+    assert torch.equal(weight.grad, torch.zeros_like(weight))

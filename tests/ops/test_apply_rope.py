@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lessonlib import ops, reference
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
 
@@ -63,3 +63,26 @@ def test_apply_rope_rejects_mixed_dtypes_and_layouts():
         ops.apply_rope(q, k, cos.half(), cos.half())
     with pytest.raises(ValueError, match="contiguous"):
         ops.apply_rope(randn(1, 2, 8, 3).transpose(-1, -2), k, cos, cos)
+
+
+@pytest.mark.parametrize("batch, heads, kv_heads, seq_len, head_dim, per_batch",
+                         [(1, 1, 1, 1, 2, False), (2, 3, 1, 7, 6, True), (1, 4, 2, 5, 64, False)])
+def test_apply_rope_gradients_match_float64_autograd(batch, heads, kv_heads, seq_len, head_dim, per_batch, dtype):
+    q = randn(batch, heads, seq_len, head_dim, dtype=dtype)
+    k = randn(batch, kv_heads, seq_len, head_dim, dtype=dtype)
+    cos, sin = tables(batch, seq_len, head_dim, dtype, per_batch)
+    check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin), ("q", "k", None, None))
+
+
+def test_apply_rope_backward_is_the_transpose_for_any_tables():
+    # Not only for rotation tables: perturbed cos/sin make the transpose differ from a rotation by minus the angle.
+    q, k = randn(1, 2, 3, 8), randn(1, 1, 3, 8)
+    cos, sin = randn(3, 8), randn(3, 8)
+    check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin), ("q", "k", None, None))
+
+
+def test_apply_rope_refuses_tables_that_require_grad():
+    q, k = randn(1, 2, 3, 8), randn(1, 1, 3, 8)
+    cos, sin = tables(1, 3, 8, torch.float32, False)
+    with pytest.raises(RuntimeError, match="no gradient flows to cos"):
+        ops.apply_rope(q, k, cos.requires_grad_(), sin)

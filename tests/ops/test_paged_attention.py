@@ -121,3 +121,17 @@ def test_validate_false_skips_only_the_table_checks():
     torch.testing.assert_close(ops.paged_attention(*args, validate=False), ops.paged_attention(*args), rtol=0, atol=0)
     with pytest.raises(ValueError, match="head_dim"):  # shapes are still checked
         ops.paged_attention(args[0][..., :16], *args[1:], validate=False)
+
+
+def test_paged_attention_refuses_inputs_that_require_grad_outside_no_grad():
+    cache = PagedKVCache(num_blocks=2, block_size=16, num_kv_heads=1, head_dim=16, dtype=torch.float32, device=DEVICE)
+    cache.add_sequence("a")
+    cache.append("a", randn(5, 1, 16), randn(5, 1, 16))
+    q = randn(1, 2, 16).requires_grad_()
+    args = (cache.k_cache, cache.v_cache, cache.block_table(["a"]), cache.seq_lens(["a"]))
+    with pytest.raises(RuntimeError, match="paged_attention: no gradient flows to q"):
+        ops.paged_attention(q, *args)
+    with torch.no_grad():
+        out = ops.paged_attention(q, *args)
+    check_close("paged_attention under no_grad", out, reference.paged_attention(*to_float64(q, *args[:2]), *args[2:]),
+                reference.paged_attention(q.detach(), *args))

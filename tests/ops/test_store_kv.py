@@ -50,3 +50,16 @@ def test_store_kv_rejects_mismatched_shapes():
         ops.store_kv(randn(3, 2, 4), randn(3, 2, 4), k_cache, v_cache, torch.arange(3, device=DEVICE))
     with pytest.raises(TypeError, match="slots"):
         ops.store_kv(randn(3, 2, 8), randn(3, 2, 8), k_cache, v_cache, torch.arange(3, device=DEVICE).float())
+
+
+def test_store_kv_refuses_inputs_that_require_grad_outside_no_grad():
+    # The cache is a constant to attention: a k that requires grad would lose its gradient silently.
+    k_cache, v_cache = pool()
+    k, v = randn(2, 2, 8).requires_grad_(), randn(2, 2, 8)
+    slots = torch.tensor([0, 5], device=DEVICE)
+    with pytest.raises(RuntimeError, match="store_kv: no gradient flows to k"):
+        ops.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.isnan(k_cache).all()  # refused before the launch
+    with torch.no_grad():
+        ops.store_kv(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache.view(-1, 2, 8)[slots], k.detach())

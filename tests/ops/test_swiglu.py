@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lessonlib import ops, reference, runtime
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, DTYPES, randn
 
 
@@ -61,3 +61,30 @@ def test_swiglu_refuses_bfloat16_where_unsupported():
     gate = torch.randn(2, 4, device=DEVICE).to(torch.bfloat16)
     with pytest.raises(TypeError, match=re.escape(runtime.why_not_bfloat16())):
         ops.swiglu(gate, gate.clone())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 5, 33)])
+def test_swiglu_gradients_match_float64_autograd(shape, dtype):
+    gate, up = randn(*shape, dtype=dtype, scale=3), randn(*shape, dtype=dtype)
+    check_gradients("swiglu", ops.swiglu, reference.swiglu, (gate, up), ("gate", "up"))
+
+
+def test_swiglu_gradients_through_strided_halves_of_one_projection(dtype):
+    # FusedGatedMLP's case: gate and up are views of one GEMM output, and the gradient must reach that output.
+    projection = randn(5, 2 * 45, dtype=dtype).requires_grad_()
+    gate, up = projection.chunk(2, dim=-1)
+    grad = randn(5, 45, dtype=dtype)
+    with poisoned_outputs():
+        ops.swiglu(gate, up).backward(grad)
+    truth = projection.detach().double().requires_grad_()
+    reference.swiglu(*truth.chunk(2, dim=-1)).backward(grad.double())
+    low = projection.detach().clone().requires_grad_()
+    reference.swiglu(*low.chunk(2, dim=-1)).backward(grad)
+    check_close("swiglu d(projection)", projection.grad, truth.grad, low.grad)
+
+
+def test_swiglu_without_grad_takes_the_launcher_and_with_grad_the_custom_op():
+    gate, up = randn(2, 8), randn(2, 8)
+    assert ops.swiglu(gate, up).grad_fn is None
+    out = ops.swiglu(gate.requires_grad_(), up)
+    assert out.grad_fn is not None and out.requires_grad
