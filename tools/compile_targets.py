@@ -158,7 +158,9 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
     - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv: one configuration
-      each on every GPU, at their largest blocks, in every dtype (they compile in seconds).
+      each on every GPU, at their largest blocks, in every dtype (they compile in seconds); the backward kernels of
+      swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's configuration.
+    - paged_prefill_attention at D=128 in every dtype.
     ``thorough=True`` compiles every dtype for every case instead.
     """
     import lessonlib.ops  # noqa: F401  (defines the kernels, in the mode already chosen)
@@ -170,6 +172,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     rn = _sys.modules["lessonlib.ops.add_rms_norm"]
     rp = _sys.modules["lessonlib.ops.apply_rope"]
     kv = _sys.modules["lessonlib.ops.store_kv"]
+    pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
     f32 = torch.float32
@@ -224,20 +227,40 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                         (f32, f32, f32, dtype, most_splits), dict(HEAD_DIM=256, PRECISE_EXP=False, **config),
                         config=config))
 
+    # paged_prefill_attention: 4096 packed new tokens, 32 query heads over 8 KV heads, the pool above; D=128 in every
+    # dtype (its ladder depends on D x element size only).
+    for dtype in all_dtypes:
+        config = pp.config(128, dtype.itemsize, given)
+        cache = _contiguous_strides(2048, block_size, kv_heads, 128)
+        out.append(Case(
+            "paged_prefill_attention", pp._paged_prefill_attention_kernel, "D=128 GROUP=4", dtype,
+            (dtype, dtype, dtype, torch.int32, torch.int32, torch.int32, dtype, 128 ** -0.5, 32 * 128, 128, 256,
+             *cache[:3]),
+            dict(GROUP=4, BLOCK_SIZE=block_size, HEAD_DIM=128, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
+                 PRECISE_EXP=dtype == f32, **config),
+            pp.shared_memory(config, 128, profile, dtype.itemsize), config))
+
     # The fused element-wise ops, at their largest blocks.
     for dtype in all_dtypes:
         config = sw.config(14336, given)
         out.append(Case("swiglu", sw._swiglu_kernel, "I=14336", dtype, (dtype, dtype, dtype, 14336, 28672, 28672, 14336),
                         config, config=config))
+        out.append(Case("swiglu", sw._swiglu_backward_kernel, "I=14336 backward", dtype,
+                        (dtype, dtype, dtype, dtype, dtype, 14336, 14336, 28672, 28672), config, config=config))
         for n_cols in (rn.MAX_ONE_PASS_COLS, 2 * rn.MAX_ONE_PASS_COLS):
             config = rn.config(n_cols, given)
             out.append(Case("add_rms_norm", rn._add_rms_norm_kernel, f"H={n_cols}", dtype,
                             (dtype, dtype, dtype, dtype, dtype, n_cols, n_cols, n_cols, 1e-6), config, config=config))
+            out.append(Case("add_rms_norm", rn._add_rms_norm_backward_kernel, f"H={n_cols} backward", dtype,
+                            (dtype, dtype, dtype, dtype, dtype, f32, 8192, n_cols, 32, n_cols, n_cols, 1e-6), config,
+                            config=config))
         config = rp.config(32, 8, 128, given)
         q_strides, k_strides = _contiguous_strides(2, 32, 4096, 128)[:3], _contiguous_strides(2, 8, 4096, 128)[:3]
-        out.append(Case("apply_rope", rp._apply_rope_kernel, "H=32 Hkv=8 D=128", dtype,
-                        (dtype, dtype, dtype, dtype, dtype, dtype, 4096, 32, 8, 64, *q_strides, *k_strides,
-                         0, 128, 0, 128, *q_strides, *k_strides), config, config=config))
+        for inverse in (False, True):  # the forward, and the backward's inverse rotation
+            out.append(Case("apply_rope", rp._apply_rope_kernel, f"H=32 Hkv=8 D=128{' inverse' if inverse else ''}",
+                            dtype, (dtype, dtype, dtype, dtype, dtype, dtype, 4096, 32, 8, 64, *q_strides, *k_strides,
+                                    0, 128, 0, 128, *q_strides, *k_strides), dict(config, INVERSE=inverse),
+                            config=config))
         config = kv.config(8 * 128, given)
         out.append(Case("store_kv", kv._store_kv_kernel, "Hkv=8 D=128", dtype,
                         (dtype, dtype, dtype, dtype, torch.int64, 1024, 1024, 1024), config, config=config))

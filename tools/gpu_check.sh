@@ -15,7 +15,10 @@ for profile in "${profiles[@]}"; do
     export LESSONLIB_GPU_PROFILE=$profile
     if [ "$what" = tests ] || [ "$what" = all ]; then
         echo "=== tests/ops, profile $profile"
-        "$python" -m pytest tests/ops -q -x -p no:cacheprovider 2>&1 | tail -15 | tee "$log_dir/tests-$profile.log" || status=1
+        # test_compile_targets compiles for every architecture on the CPU (CI runs it): not a GPU check.
+        "$python" -m pytest tests/ops -q -p no:cacheprovider --ignore=tests/ops/test_compile_targets.py 2>&1 \
+            | tail -15 | tee "$log_dir/tests-$profile.log"
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
     fi
     if [ "$what" = notebooks ] || [ "$what" = all ]; then
         for nb in notebooks/0[0-5]_*.ipynb notebooks/07_*.ipynb; do

@@ -19,7 +19,8 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch
+from lessonlib.ops._common import check_tensors, first_that_fits, launch, refuse_gradient
+from lessonlib.ops.flash_attention import forward_shared_memory
 from lessonlib.ops.paged_attention import HEAD_DIMS, _check_tables, _exp
 
 
@@ -89,12 +90,32 @@ def _paged_prefill_attention_kernel(
              mask=m_ok[:, None])
 
 
-def config() -> dict:
-    """Query rows per program and keys per step. 16 x 16 in the interpreter (each step is NumPy work); on the GPU
-    64 query rows and 64 keys (four 16-token blocks) per step, the shape flash_attention's forward uses at D=64."""
-    if not runtime.on_gpu():
+# (BLOCK_M, BLOCK_N, num_warps, num_stages), best first; the launcher takes the first whose shared memory fits the
+# GPU. 64 query rows x 64 keys is flash_attention's forward tile at D=64 (its H200 sweep's best there); not swept
+# for this kernel. Below sm_80 Triton's tl.dot runs on FMA units: flash_attention's sm_75 tiles, which compile
+# without spills there (tools/compile_targets.py --registers).
+LADDER = ((64, 64, 4, 3), (64, 64, 4, 2), (64, 32, 4, 2))
+LADDER_SM75 = ((32, 32, 4, 1), (32, 16, 4, 1))
+
+
+def config(head_dim: int = 128, itemsize: int = 2, profile: runtime.GPUProfile | None = None) -> dict:
+    """Query rows per program, keys per step, warps and stages for ``profile`` (default: this GPU's). 16 x 16 in the
+    interpreter (each step is NumPy work). Shared memory: :func:`shared_memory`."""
+    profile = profile or runtime.gpu_profile()
+    if profile is None:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)
-    return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4)
+    ladder = LADDER if profile.triton_tensor_cores else LADDER_SM75
+    candidates = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s) for m, n, w, s in ladder]
+    return first_that_fits("paged_prefill_attention", candidates, lambda c: shared_memory(c, head_dim, profile, itemsize),
+                           profile)
+
+
+def shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, itemsize: int = 2) -> int:
+    """Upper bound on the kernel's shared memory: flash_attention's forward estimate (the same Q tile and K/V tiles in
+    flight) plus 1 KB for the gathered rows' block-table lookups (compiled for sm_80 in float32 at 64 x 64, 2 stages:
+    112.2 KB against 112.0 for the tiles alone). Checked against the compiled kernels by
+    tests/ops/test_compile_targets.py."""
+    return forward_shared_memory(config, head_dim, profile, itemsize) + 1024
 
 
 def check_inputs(q, k_cache, v_cache, block_table, seq_lens, query_starts, max_query_len, *, validate=True) -> None:
@@ -157,13 +178,15 @@ def paged_prefill_attention(
     int tensors on the device (a sync): only for tables built by a trusted source, such as the engine's block
     manager. Returns (T, H, D).
     """
+    refuse_gradient("paged_prefill_attention", "it has no backward: a prefill kernel for serving; train with "
+                    "flash_attention", q=q, k_cache=k_cache, v_cache=v_cache)
     check_inputs(q, k_cache, v_cache, block_table, seq_lens, query_starts, max_query_len, validate=validate)
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty(tokens, heads, head_dim, dtype=q.dtype, device=q.device)
     if tokens == 0:
         return out
-    meta = config()
+    meta = config(head_dim, q.dtype.itemsize)
     grid = (triton.cdiv(max_query_len, meta["BLOCK_M"]), block_table.shape[0], heads)
     launch(
         _paged_prefill_attention_kernel, grid,
