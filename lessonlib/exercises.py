@@ -27,7 +27,7 @@ def _call(name: str, fn, args):
         with poisoned_outputs():
             return fn(*args)
     except NotImplementedError as e:
-        raise ExerciseFailed(f"{name}: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+        raise ExerciseFailed(f"{name}: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
     except Exception as e:  # the student's bug: say where it happened
         raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
 
@@ -127,7 +127,7 @@ def check_blocks_needed(fn) -> None:
         try:
             predicted = fn(prompt_tokens, max_tokens, block_size)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"blocks_needed: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"blocks_needed: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         _, [trace] = serving.generate_tracing_blocks(
             llm, [prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0))
         if predicted != trace.peak_blocks:
@@ -154,7 +154,7 @@ def check_online_softmax_update(fn) -> None:
             try:
                 m, l, acc = fn(m, l, acc, scores[:, start:start + block], values[start:start + block])
             except NotImplementedError as e:
-                raise ExerciseFailed(f"online_softmax_update: not implemented yet ({e or 'NotImplementedError'}). "
+                raise ExerciseFailed(f"online_softmax_update: not implemented yet ({str(e) or 'NotImplementedError'}). "
                                      "Fill in the stub.") from None
             seen = min(start + block, keys)
             want_m = scores[:, :seen].max(dim=1).values
@@ -193,7 +193,7 @@ def check_key_tile_bound(fn) -> None:
         try:
             got = fn(start_m, block_m, n_q, n_kv)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"key_tile_bound: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"key_tile_bound: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         if got != want:
             raise ExerciseFailed(
                 f"key_tile_bound(start_m={start_m}, block_m={block_m}, n_q={n_q}, n_kv={n_kv}) = {got}, expected "
@@ -217,7 +217,7 @@ def check_flash_attention(fn) -> None:
             try:
                 check_attention(fn, q, k, v, causal)
             except NotImplementedError as e:
-                raise ExerciseFailed(f"flash_attention: not implemented yet ({e or 'NotImplementedError'})") from None
+                raise ExerciseFailed(f"flash_attention: not implemented yet ({str(e) or 'NotImplementedError'})") from None
             except AssertionError as e:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
     print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
@@ -238,7 +238,7 @@ def check_physical_slot(fn) -> None:
         try:
             got = fn(position, list(table), block_size)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"physical_slot: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"physical_slot: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         if tuple(got) != want:
             raise ExerciseFailed(f"physical_slot({position}, {table}, block_size={block_size}) = {tuple(got)}, expected "
                                  f"{want}: logical block = position // block_size, then look it up in the table")
@@ -266,7 +266,7 @@ def check_free_sequence(fn) -> None:
         try:
             result = fn(list(tables[victim]), counts, free_blocks)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"free_sequence: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"free_sequence: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         want_counts = list(allocator.ref_counts)
         want_free = []
         for block in tables[victim]:
@@ -307,7 +307,7 @@ def check_no_graph_break(fn) -> None:
             breaks = graph_breaks(fn, x)
             got = torch.compile(fn, fullgraph=True)(x)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"no_graph_break: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"no_graph_break: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         except Exception as e:  # fullgraph=True raises on the first graph break
             raise ExerciseFailed(f"no_graph_break: torch.compile(fullgraph=True) failed: {type(e).__name__}: "
                                  f"{str(e).splitlines()[0][:300]}") from None
@@ -332,7 +332,7 @@ def check_refresh_static_inputs(fn) -> None:
         try:
             result = fn(static, new)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"refresh_static_inputs: not implemented yet ({e or 'NotImplementedError'}). "
+            raise ExerciseFailed(f"refresh_static_inputs: not implemented yet ({str(e) or 'NotImplementedError'}). "
                                  "Fill in the stub.") from None
         for name in shapes:
             if static[name] is not originals[name] or static[name].data_ptr() != addresses[name]:
@@ -378,7 +378,7 @@ def check_can_admit(fn) -> None:
         try:
             got = fn(**args)
         except NotImplementedError as e:
-            raise ExerciseFailed(f"can_admit: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"can_admit: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         want = can_admit(**args)
         if bool(got) != want:
             raise ExerciseFailed(f"can_admit{args} returned {got}, expected {want}: {hint}")
@@ -403,7 +403,7 @@ def check_top_p_filter(fn) -> None:
         try:
             got = fn(probs.clone(), top_p.clone())
         except NotImplementedError as e:
-            raise ExerciseFailed(f"top_p_filter: not implemented yet ({e or 'NotImplementedError'}). Fill in the stub.") from None
+            raise ExerciseFailed(f"top_p_filter: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
         want = top_p_filter(probs, top_p)
         if not isinstance(got, torch.Tensor) or got.shape != want.shape:
             raise ExerciseFailed(f"top_p_filter returned {type(got).__name__} {getattr(got, 'shape', '')}; expected a "
