@@ -176,7 +176,9 @@ def configure_nbgrader(c) -> None:
             cell.source = stripped
             return replaced
 
-    default = GenerateAssignment.class_traits()["preprocessors"].default_value
+    # The trait's default() (its default_value is a Sentinel under traitlets 5.x: iterating it raised, nbgrader logged
+    # the broken config and released with its own stubs, which the triton exercises of 02 and 03 exposed).
+    default = GenerateAssignment.class_traits()["preprocessors"].default()
     c.GenerateAssignment.preprocessors = [CourseClearSolutions if p is ClearSolutions else p for p in default]
     c.Execute.timeout = 600  # seconds per cell, as the course's nbval runs allow
 
