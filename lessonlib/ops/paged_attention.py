@@ -239,17 +239,8 @@ def paged_attention_forward(
     blocks_per_step: int | None = None, num_warps: int | None = None, num_stages: int | None = None,
     validate: bool = True,
 ) -> torch.Tensor:
-    """The launcher: decode attention through block tables, like ``lessonlib.reference.paged_attention``. Models
-    call :func:`paged_attention` (same arguments).
-
-    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D) with H a multiple of Hkv and block_size a
-    power of two of at least 16; block_table: (B, max_blocks) int32; seq_lens: (B,) int32, each in [1, max_blocks * block_size].
-    ``num_splits`` overrides the split count (see :func:`num_splits_for`); ``blocks_per_step``, ``num_warps`` and
-    ``num_stages`` override :func:`split_config` (tuning knobs for benchmarks). ``validate=False`` skips the checks that read block_table and seq_lens (they
-    cost a device sync per call, which a decode loop or a CUDA-graph capture cannot afford): only for tables built
-    by a trusted source such as ``PagedKVCache.block_table``. Shapes, dtypes and devices are always checked.
-    Returns (B, H, D).
-    """
+    """The launcher behind :func:`paged_attention` (same arguments, documented there): decode attention through block
+    tables, launched directly, with no custom-op dispatch and no gradient check."""
     check_inputs(q, k_cache, v_cache, block_table, seq_lens, validate=validate)
     if blocks_per_step is not None and (blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1)):
         raise ValueError(f"paged_attention: blocks_per_step must be a power of two, got {blocks_per_step}")
