@@ -112,12 +112,16 @@ def plot_recorded(results, axes=None):
                   for b in batches]
         ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl)
     limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
-    if limit:
-        ladder.axhline(limit, color="black", ls="--", lw=0.8, label="weight-read limit, batch 1")
+    if limit and 1 in batches:  # the weights read once per step: a bound at batch 1 only (more rows share the read)
+        at = batches.index(1)
+        ladder.hlines(limit, at - width / 2, at + 0.8 - width / 2, color="black", ls="--", lw=1.2,
+                      label="weight-read limit (batch 1)")
     ladder.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
     ladder.set_yscale("log")
-    ladder.set_ylabel("tokens/s")
-    ladder.legend(fontsize=7)
+    ladder.set_ylim(top=max(r["tokens_per_s"] for r in generate) * 12)  # room above the bars for the legend
+    ladder.set_ylabel("tokens/s (log scale)")
+    ladder.set_title("tokens/s, 128-token prompts, 128 new tokens", fontsize=10)
+    ladder.legend(fontsize=7, loc="upper left")
     rows = results.select(op="decode_step_part")
     shown = [p for p in dict.fromkeys(r["part"] for r in rows) if p != "whole step"]
     bottoms = [0.0] * len(batches)
@@ -130,6 +134,8 @@ def plot_recorded(results, axes=None):
     parts.scatter(range(len(batches)), limits, color="black", marker="_", s=900, zorder=3, label="bytes-read limit")
     parts.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
     parts.set_ylabel("µs per decode step")
-    parts.legend(fontsize=7)
+    parts.set_ylim(0, max(bottoms + [l or 0 for l in limits]) * 1.6)  # room above the bars for the legend
+    parts.set_title("one decode step (CUDA graphs), by part, against the bytes it must read", fontsize=10)
+    parts.legend(fontsize=7, ncol=2, loc="upper left")
     ladder.figure.text(0.01, -0.02, results.provenance(), fontsize=7)
     return axes
