@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import attention_allowance, check_close, poisoned_outputs, to_float64
 
 
 class ExerciseFailed(AssertionError):
@@ -430,12 +430,14 @@ def _not_implemented_output(name: str, out: torch.Tensor, truth: torch.Tensor) -
                              "from). Fill in the part marked YOUR CODE HERE.")
 
 
-def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str) -> None:
+def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str,
+              allowance: float = 0.0) -> None:
     """Pass if ``out`` is within the tolerance rule of ``truth``; else name the first known mistake whose float64
     output ``out`` matches (within the same tolerance) and which differs from the truth, else report the error.
-    ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure)."""
+    ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure).
+    ``allowance``: attention's score roundings (``testing.attention_allowance``)."""
     try:
-        check_close(name, out, truth, low)
+        check_close(name, out, truth, low, allowance=allowance)
         return
     except AssertionError as e:
         failure = str(e)
@@ -443,7 +445,7 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
         raise ExerciseFailed(f"{failure}\n  on {where}")
     from lessonlib.testing import tolerance
 
-    allowed = tolerance(truth, low.cpu(), out.dtype)
+    allowed = tolerance(truth, low.cpu(), out.dtype) + allowance
     got = out.detach().double().cpu()
     for explanation, wrong in (mistakes() if callable(mistakes) else mistakes):
         wrong = wrong.detach().double().cpu()
@@ -595,7 +597,8 @@ def check_flash_forward_kernel(kernel) -> None:
             _not_implemented_output("flash_forward", out, truth)
             q64, k64, v64 = (t.cpu() for t in to_float64(q, k, v))
             _diagnose("flash_forward", out, truth, reference.attention(q, k, v, causal=causal),
-                      lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where)
+                      lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
+                      attention_allowance(q, k, v))
     print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}"
@@ -718,7 +721,8 @@ def check_paged_decode_kernel(kernel) -> None:
             _not_implemented_output("paged_decode", out, truth)
             cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
             _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
-                      lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where)
+                      lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
+                      attention_allowance(q, k_cache, v_cache))
     print(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
           "tables, GQA, block sizes 16 and 32, lengths 1-100), within tolerance of float64")
 

@@ -8,6 +8,15 @@ two units are the fused kernel's right to round at other steps than eager PyTorc
 float32 and reduces in another order (for add_rms_norm in float32 that alone measured up to 1.6 units, where the
 PyTorch reference, whose statistic is nearly exact, stays at half a unit). NaN or Inf where the truth is finite
 never passes.
+
+Attention adds one derived allowance (``attention_allowance``): its scores are float32 sums on every path, and
+which roundings they get depends on the summation order, so in float32 the kernel's and the reference's errors are
+two independent draws of the same size, and "twice the reference's" fails now and then (measured: 2 runs in 60 at
+head_dim 128). Each score s_ij = scale * q_i . k_j is then off by about a rounding of its terms'
+size, scale * sum_d |q_id k_jd|; p_ij = exp(s_ij - m_i) by that much relative; the output o_i = sum_j p_ij v_j by
+at most that times max_j |v_j - o_i| <= 2 max|V|. Two such float32 roundings are allowed, over the worst pair. In
+float16/bfloat16 this is about 1% of the tolerance; in float32 it is a bound 10-25 times the rest of the tolerance
+(measured, paged decode), still hundreds of times below the error of TF32 products, the float32 mistake to catch.
 """
 
 from __future__ import annotations
@@ -35,14 +44,29 @@ def tolerance(truth: torch.Tensor, low_precision: torch.Tensor, dtype: torch.dty
     return ERROR_FACTOR * reference_error + ROUNDINGS * rounding
 
 
+def attention_allowance(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float | None = None) -> float:
+    """The float32 score roundings' share of an attention output's error (module docstring), for inputs of any
+    layout whose last dimension is the head dimension: dense (batch, heads, tokens, D), decode (batch, heads, D),
+    or a paged pool (blocks, block_size, kv_heads, D). Every query row is paired with every key row, a bound on the
+    pairs attention really forms."""
+    head_dim = q.shape[-1]
+    scale = head_dim ** -0.5 if sm_scale is None else sm_scale
+    q_abs, k_abs = (t.detach().abs().reshape(-1, head_dim).float() for t in (q, k))
+    if not q_abs.numel() or not k_abs.numel():
+        return 0.0
+    terms = max((rows @ k_abs.T).max().item() for rows in q_abs.split(1024))
+    return ROUNDINGS * torch.finfo(torch.float32).eps * scale * terms * 2 * v.detach().abs().max().item()
+
+
 def check_close(name: str, out: torch.Tensor, truth: torch.Tensor, low_precision: torch.Tensor,
-                magnitude: float | None = None) -> None:
+                magnitude: float | None = None, allowance: float = 0.0) -> None:
     """Raise AssertionError, with a message a student can act on, unless ``out`` is as close to the float64
     ``truth`` as the tolerance above allows.
 
     ``magnitude``: where an output is a sum of terms that cancel (a gradient through softmax: P * (dP - delta),
     exactly 0 when a query sees a single key), the roundings are those of the terms, not of the small result; pass
-    the terms' largest magnitude. By default it is the output's."""
+    the terms' largest magnitude. By default it is the output's. ``allowance``: a further absolute error the caller
+    derives (attention: ``attention_allowance``)."""
     if tuple(out.shape) != tuple(truth.shape):
         raise AssertionError(f"{name}: shape {tuple(out.shape)}, expected {tuple(truth.shape)}")
     if out.dtype != low_precision.dtype:
@@ -57,14 +81,14 @@ def check_close(name: str, out: torch.Tensor, truth: torch.Tensor, low_precision
             "outputs start as NaN in these checks, so these elements were probably never written"
         )
     err = (got - truth).abs()
-    tol = tolerance(truth, low_precision.cpu(), out.dtype, magnitude)
+    tol = tolerance(truth, low_precision.cpu(), out.dtype, magnitude) + allowance
     worst = err.max().item() if err.numel() else 0.0
     if worst > tol:
         where = tuple(int(i) for i in (err == err.max()).nonzero()[0])
         raise AssertionError(
             f"{name}: max error {worst:.3g} at index {where} (got {got[where].item():.6g}, expected "
             f"{truth[where].item():.6g}); allowed {tol:.3g} = {ERROR_FACTOR:g} x the {out.dtype} reference's own "
-            f"error + {ROUNDINGS} roundings"
+            f"error + {ROUNDINGS} roundings" + (f" + {allowance:.3g} for the scores' float32 roundings" if allowance else "")
         )
 
 
@@ -119,7 +143,7 @@ def check_attention(fn, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     low_leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     low = reference.attention(*low_leaves, causal=causal)
     low.backward(grad_out)
-    check_close(name, out, truth, low)
+    check_close(name, out, truth, low, allowance=attention_allowance(q, k, v))
 
     q64, k64, v64 = (t.detach() for t in truth_leaves)
     group, scale = q.shape[1] // k.shape[1], q.shape[-1] ** -0.5
