@@ -29,9 +29,10 @@ from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
-# updated residual. Measured on the H200 (bench_fusion.py, register_pressure, 16 warps): one pass uses 58 registers
-# per thread at 16384 columns and 127 at 32768 (4,154 GB/s against 3,443 for two passes), and spills 80 registers
-# at 65536, where it falls to 1,955 GB/s against 3,311 for two passes.
+# updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
+# lessonlib/results/fusion-h200.json, plotted in lesson 01): one pass uses 58 registers per thread at 16384 columns
+# and 127 at 32768, still faster than two passes, and spills 80 registers at 65536, where it runs at about half
+# the speed of two passes.
 MAX_ONE_PASS_COLS = 32768
 TWO_PASS_BLOCK = 4096
 ELEMENTS_PER_WARP = 2048
