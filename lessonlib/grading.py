@@ -302,6 +302,11 @@ def _fresh(name):
     return name == "lessonlib" or (name.startswith("lessonlib.") and name.split(".")[1] in FRESH)
 
 
+def _of_exercises(obj):
+    """Defined in lessonlib.exercises (one of its lesson modules)."""
+    return (getattr(obj, "__module__", None) or "").startswith("lessonlib.exercises.")
+
+
 def check(exercise, source, namespace):
     """Run the pristine checker cell ``source`` against the student's names, with lessonlib's checkers fresh."""
     replaced = changes()
@@ -314,8 +319,8 @@ def check(exercise, source, namespace):
         scope = dict(namespace)
         for name in dir(exercises):
             checker = getattr(exercises, name)
-            if name.startswith("check_") and getattr(checker, "__module__", None) == "lessonlib.exercises":
-                if name in namespace and getattr(namespace[name], "__module__", None) != "lessonlib.exercises":
+            if name.startswith("check_") and _of_exercises(checker):
+                if name in namespace and not _of_exercises(namespace[name]):
                     print(f"(note: {name} was redefined in the notebook; lessonlib's own {name} ran)")
                 scope[name] = checker
         exec(compile(source, f"<checker of {exercise}>", "exec"), scope)
