@@ -1,5 +1,5 @@
-"""Lesson 01's checkers (notebook 01_operator_fusion): swiglu, add_rms_norm and apply_rope, and the fused ops' gradients.
-"""
+"""Lesson 01's checkers (notebook 01_operator_fusion): swiglu, add_rms_norm and apply_rope, and the fused ops'
+gradients."""
 
 from __future__ import annotations
 
