@@ -1,0 +1,99 @@
+"""What every checker shares: the failure it raises, calling the student's function with outputs poisoned, and comparing
+an output with the float64 truth under the tolerance rule of :mod:`lessonlib.testing`.
+
+Kernel exercises (issue 15): the student writes the kernels. Each exercise has a launcher (given: it validates
+the inputs and launches the student's @triton.jit kernel), a checker that runs it on odd shapes with outputs
+poisoned, and a diagnosis: when the output is wrong, the checker compares it with what known mistakes produce
+(computed in float64 PyTorch) and names the mistake it matches. A stub compiles (its body is `pass`) and leaves
+the output NaN or zero: both are reported as "not implemented yet".
+
+:func:`_diagnose` and :func:`_not_implemented_output` serve those kernel exercises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lessonlib import runtime
+from lessonlib.testing import check_close, poisoned_outputs
+
+
+class ExerciseFailed(AssertionError):
+    """The student's code does not (yet) meet the exercise's spec; the message says why."""
+
+
+def _describe(args) -> str:
+    shapes = ", ".join(str(tuple(a.shape)) for a in args if isinstance(a, torch.Tensor))
+    return f"inputs of shapes {shapes}, dtype {str(args[0].dtype).removeprefix('torch.')}"
+
+
+def _call(name: str, fn, args):
+    try:
+        with poisoned_outputs():
+            return fn(*args)
+    except NotImplementedError as e:
+        raise ExerciseFailed(f"{name}: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
+    except Exception as e:  # the student's bug: say where it happened
+        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
+
+
+def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise ExerciseFailed(f"{name} returned {type(out).__name__}; expected a torch.Tensor")
+    if tuple(out.shape) != tuple(truth.shape):
+        raise ExerciseFailed(f"{name} returned shape {tuple(out.shape)} for {_describe(args)}; expected {tuple(truth.shape)}")
+    if out.is_floating_point() and out.numel():
+        written = int((~torch.isnan(out)).sum())
+        if written == 0:
+            raise ExerciseFailed(
+                f"{name}: not implemented yet: the kernel wrote none of the output (every element is still NaN, "
+                "the value these checks fill new outputs with). Fill in the kernel body."
+            )
+        if written < out.numel():
+            first = tuple(int(i) for i in torch.isnan(out).nonzero()[0])
+            raise ExerciseFailed(
+                f"{name} wrote only {written} of {out.numel()} output elements for {_describe(args)} (first one "
+                f"missing at index {first}): does your grid cover every row and block, and your mask every column?"
+            )
+    try:
+        check_close(name, out, truth, low)
+    except AssertionError as e:
+        raise ExerciseFailed(f"{e}\n  on {_describe(args)}. Compute in float32 and round once when storing.") from None
+
+
+def _inputs(*shapes, dtype):
+    return [torch.randn(s, device=runtime.device(), dtype=torch.float32).to(dtype) for s in shapes]
+
+
+def _not_implemented_output(name: str, out: torch.Tensor, truth: torch.Tensor) -> None:
+    """An all-zero output where the truth is not zero: the state a stub leaves (acc = 0, or nothing loaded)."""
+    if out.numel() and not out.isnan().any() and not out.any() and truth.abs().max() > 0:
+        raise ExerciseFailed(f"{name}: not implemented yet: your kernel wrote zeros everywhere (the state it starts "
+                             "from). Fill in the part marked YOUR CODE HERE.")
+
+
+def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str,
+              allowance: float = 0.0) -> None:
+    """Pass if ``out`` is within the tolerance rule of ``truth``; else name the first known mistake whose float64
+    output ``out`` matches (within the same tolerance) and which differs from the truth, else report the error.
+    ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure).
+    ``allowance``: attention's score roundings (``testing.attention_allowance``)."""
+    try:
+        check_close(name, out, truth, low, allowance=allowance)
+        return
+    except AssertionError as e:
+        failure = str(e)
+    if out.isnan().any():
+        raise ExerciseFailed(f"{failure}\n  on {where}")
+    from lessonlib.testing import tolerance
+
+    allowed = tolerance(truth, low.cpu(), out.dtype) + allowance
+    got = out.detach().double().cpu()
+    for explanation, wrong in (mistakes() if callable(mistakes) else mistakes):
+        wrong = wrong.detach().double().cpu()
+        off = (wrong - truth.cpu()).abs().max().item()
+        # A mistake's own low-precision error is not known: allow 4x the truth's tolerance and 2% of how far the
+        # mistake lies from the truth, far closer than any other wrong answer comes.
+        if off > allowed and (got - wrong).abs().max().item() <= 4 * allowed + 0.02 * off:
+            raise ExerciseFailed(f"{name}: wrong values on {where}. They are what {explanation}")
+    raise ExerciseFailed(f"{failure}\n  on {where}")

@@ -1,0 +1,97 @@
+"""Greedy parity: vLLM's greedy tokens against Hugging Face transformers' ``generate`` on the same model and dtype,
+and, where they part, how close the call was (a near-tie of the two best logits)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from lessonlib import runtime
+
+
+def _hf_model(model_path: str, dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(runtime.device()).eval()
+    return tokenizer, model
+
+
+def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=torch.float16) -> list[list[int]]:
+    """Greedy continuations from Hugging Face transformers' ``generate`` (the reference vLLM is checked against)."""
+    tokenizer, model = _hf_model(model_path, dtype)
+    continuations = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
+            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                                 pad_token_id=tokenizer.pad_token_id)
+            continuations.append(out[0, ids.shape[1]:].tolist())
+    return continuations
+
+
+def vllm_greedy(llm, prompts: Sequence[str], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return [list(output.outputs[0].token_ids) for output in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ (or where one ends), None if they are equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def check_greedy_parity(llm, prompts: Sequence[str], max_tokens: int = 48) -> None:
+    """vLLM's greedy tokens must equal transformers' on the same model, in the engine's dtype, token for token.
+    Raises AssertionError naming the first difference; prints one line when they agree."""
+    config = llm.llm_engine.vllm_config.model_config
+    ours = vllm_greedy(llm, prompts, max_tokens)
+    theirs = hf_greedy(config.model, prompts, max_tokens, dtype=config.dtype)
+    for prompt, a, b in zip(prompts, ours, theirs):
+        position = first_difference(a, b)
+        if position is not None:
+            raise AssertionError(f"{prompt!r}: vLLM and transformers part at generated token {position}: "
+                                 f"{a[position:position + 4]} vs {b[position:position + 4]}")
+    print(f"greedy decoding, {config.dtype}: vLLM == transformers on {len(prompts)} prompts x {max_tokens} tokens")
+
+
+@dataclass
+class Divergence:
+    """Where two greedy decodings part: the step, each engine's token, and how close the call was there (the gap
+    between the best and second-best logit, computed in float32, against the largest logit's magnitude)."""
+
+    prompt: str
+    position: int
+    vllm_token: int
+    hf_token: int
+    gap: float
+    largest_logit: float
+
+
+def greedy_divergence(llm, prompts: Sequence[str], max_tokens: int = 48) -> list[Divergence | None]:
+    """Compare vLLM's and transformers' greedy tokens in the engine's dtype; where they part, measure the near-tie."""
+    config = llm.llm_engine.vllm_config.model_config
+    ours = vllm_greedy(llm, prompts, max_tokens)
+    theirs = hf_greedy(config.model, prompts, max_tokens, dtype=config.dtype)
+    tokenizer, model = _hf_model(config.model, torch.float32)
+    found = []
+    for prompt, a, b in zip(prompts, ours, theirs):
+        position = first_difference(a, b)
+        if position is None or position >= min(len(a), len(b)):
+            found.append(None)
+            continue
+        ids = tokenizer(prompt).input_ids + a[:position]
+        with torch.inference_mode():
+            logits = model(torch.tensor([ids], device=model.device)).logits[0, -1].float()
+        top2 = logits.topk(2).values
+        found.append(Divergence(prompt, position, a[position], b[position], float(top2[0] - top2[1]),
+                                float(logits.abs().max())))
+    return found
