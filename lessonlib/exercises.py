@@ -205,10 +205,10 @@ def check_key_tile_bound(fn) -> None:
 def check_flash_attention(fn) -> None:
     """``fn(q, k, v, causal=...)``: attention as ``lessonlib.reference.attention``, forward and backward, on odd
     lengths, GQA and both masks, outputs poisoned first; within the tolerance rule of lessonlib.testing."""
-    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
     from lessonlib.testing import check_attention
 
-    for dtype in supported_dtypes():
+    for dtype in flash_attention_dtypes():
         for (batch, heads, kv_heads, n_q, n_kv, head_dim, causal) in ((1, 2, 2, 17, 17, 32, True),
                                                                      (2, 4, 1, 9, 40, 16, True),
                                                                      (1, 4, 2, 33, 20, 64, False)):
@@ -221,7 +221,7 @@ def check_flash_attention(fn) -> None:
             except AssertionError as e:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
     print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
-          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}")
+          f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}")
 
 
 def check_physical_slot(fn) -> None:
@@ -578,10 +578,10 @@ def check_flash_forward_kernel(kernel) -> None:
     """``kernel``: the exercise's @triton.jit forward kernel, launched by :func:`flash_forward`. Checked against
     float64 attention on odd lengths (1, 7, 45, 100), GQA and MQA, causal with Nq != Nkv, in every dtype the
     FlashAttention kernels take here, outputs poisoned; a wrong answer is matched against known mistakes."""
-    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
 
     block_n = flash_forward_config()["BLOCK_N"]
-    for dtype in supported_dtypes():
+    for dtype in flash_attention_dtypes():
         for batch, heads, kv_heads, n_q, n_kv, head_dim, causal in FLASH_FORWARD_CASES:
             q, k, v = _inputs((batch, heads, n_q, head_dim), (batch, kv_heads, n_kv, head_dim),
                               (batch, kv_heads, n_kv, head_dim), dtype=dtype)
@@ -601,7 +601,7 @@ def check_flash_forward_kernel(kernel) -> None:
                       attention_allowance(q, k, v))
     print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
-          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}"
+          f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")
 
 
@@ -624,7 +624,7 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(q)
     launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
            block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
-           GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
+           GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
     return out
 
 
@@ -671,10 +671,10 @@ def _paged_decode_mistakes(q, k_cache, v_cache, table, seq_lens):
         yield ("indexing the cache with the query head instead of its KV head gives: kv_head = head // GROUP",
                run(rows(right, lambda h: h)))
     yield ("a cache laid out as (num_blocks, Hkv, block_size, D) gives: the pool is (num_blocks, block_size, Hkv, "
-           "D), so a token's rows for all heads are adjacent: row = (physical * BLOCK_SIZE + t) * Hkv + kv_head",
+           "D), so a token's rows for all heads are adjacent: row = (physical * PAGE_SIZE + t) * Hkv + kv_head",
            run(lambda b, h, t: (right(b, t // block_size) * kv_heads + h // group) * block_size + t % block_size))
-    yield ("rows without the block size (physical + offset, not physical * BLOCK_SIZE + offset) give: a physical "
-           "block holds BLOCK_SIZE tokens",
+    yield ("rows without the block size (physical + offset, not physical * PAGE_SIZE + offset) give: a physical "
+           "block holds PAGE_SIZE tokens",
            run(lambda b, h, t: (right(b, t // block_size) + t % block_size) * kv_heads + h // group))
 
 

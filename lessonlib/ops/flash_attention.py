@@ -62,9 +62,10 @@ def tile_plan(n_q: int, n_kv: int, block_m: int, block_n: int, causal: bool) -> 
     return plan
 
 
-def supported_dtypes() -> tuple[torch.dtype, ...]:
-    """The GPU's 16-bit dtypes (float16, and bfloat16 from sm_80 on); float32 and float16 in the interpreter. No
-    float32 on a GPU: ``tl.dot`` would run it as TF32, a different function."""
+def flash_attention_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes flash_attention takes here, a subset of ``runtime.supported_dtypes()`` (what the element-wise
+    kernels take): the GPU's 16-bit dtypes (float16, and bfloat16 from sm_80 on); float32 and float16 in the
+    interpreter. No float32 on a GPU: ``tl.dot`` would run it as TF32, a different function."""
     if not runtime.on_gpu():
         return (torch.float32, torch.float16)
     return tuple(d for d in (torch.float16, torch.bfloat16) if d in runtime.supported_dtypes())
@@ -181,11 +182,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be (B, H, N, D), got shape {tuple(t.shape)}")
-    if q.dtype not in supported_dtypes():
+    if q.dtype not in flash_attention_dtypes():
         where = "on the GPU" if runtime.on_gpu() else "in Triton's interpreter"
         why = f" ({runtime.why_not_bfloat16()})" if q.dtype == torch.bfloat16 else ""
         raise TypeError(f"flash_attention: dtype {q.dtype} is not supported {where}{why}; use one of "
-                        f"{', '.join(map(str, supported_dtypes()))}")
+                        f"{', '.join(map(str, flash_attention_dtypes()))}")
     if k.shape != v.shape:
         raise ValueError(f"flash_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, heads, n_q, head_dim = q.shape
