@@ -68,7 +68,8 @@ def flash_cases(dtype, smoke):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         peers = [("lessonlib", lambda: ops.flash_attention(q, k, v, causal=causal))]
         if "CUDNN_ATTENTION" in sdpa.available_backends() and runtime.on_gpu():
-            peers.append(("SDPA cudnn", lambda: sdpa.scaled_dot_product_attention(q, k, v, causal, backends=("CUDNN_ATTENTION",))))
+            peers.append(("SDPA cudnn", lambda: sdpa.scaled_dot_product_attention(q, k, v, causal,
+                                                                                  backends=("CUDNN_ATTENTION",))))
         for impl, fn in peers:
             yield "forward", shape, impl, {"tflops": flops / (time_fn(fn).median_us * 1e-6) / 1e12}
 
