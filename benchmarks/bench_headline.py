@@ -68,7 +68,8 @@ def flash_cases(dtype, smoke):
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
         peers = [("lessonlib", lambda: ops.flash_attention(q, k, v, causal=causal))]
         if "CUDNN_ATTENTION" in sdpa.available_backends() and runtime.on_gpu():
-            peers.append(("SDPA cudnn", lambda: sdpa.attention(q, k, v, causal, backends=("CUDNN_ATTENTION",))))
+            peers.append(("SDPA cudnn", lambda: sdpa.scaled_dot_product_attention(q, k, v, causal,
+                                                                                  backends=("CUDNN_ATTENTION",))))
         for impl, fn in peers:
             yield "forward", shape, impl, {"tflops": flops / (time_fn(fn).median_us * 1e-6) / 1e12}
 
@@ -90,7 +91,7 @@ def paged_cases(dtype, smoke):
         v = v_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
         nbytes = 2 * k.numel() * k.element_size()
         for impl, fn in (("lessonlib", lambda: ops.paged_attention(*args, validate=False)),
-                         ("SDPA, contiguous cache", lambda: sdpa.attention(q[:, :, None], k, v))):
+                         ("SDPA, contiguous cache", lambda: sdpa.scaled_dot_product_attention(q[:, :, None], k, v))):
             timing = time_graph(fn) if runtime.on_gpu() else time_fn(fn)
             yield "paged_attention", shape, impl, {"graph_gbps": gbps(nbytes, timing)}
 

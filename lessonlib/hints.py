@@ -28,8 +28,8 @@ HINTS: dict[str, list[str]] = {
         "pool's layout tells where token t of that block keeps its row for kv_head.",
         "The table is (B, max_blocks), contiguous: sequence seq's row starts at block_table_ptr + seq * max_blocks. "
         "tl.load it (one int32) and widen it with .to(tl.int64) before multiplying: pools get large.",
-        "The cache is (num_blocks, BLOCK_SIZE, Hkv, D). Seen as rows of D values, token t of physical block p, "
-        "head kv_head, is row (p * BLOCK_SIZE + t) * Hkv + kv_head. offs_t gives all the block's t at once.",
+        "The cache is (num_blocks, PAGE_SIZE, Hkv, D). Seen as rows of D values, token t of physical block p, "
+        "head kv_head, is row (p * PAGE_SIZE + t) * Hkv + kv_head. offs_t gives all the block's t at once.",
     ],
     "rope": [
         "Per token and head: out[:HALF] = x1 * cos[:HALF] - x2 * sin[:HALF] and out[HALF:] = x2 * cos[HALF:] + "

@@ -245,7 +245,8 @@ def _optin_shared_memory(props) -> int:
 
 
 def supported_dtypes() -> tuple[torch.dtype, ...]:
-    """Floating dtypes the kernels accept here. Triton's interpreter has no bfloat16 (its bf16 ``tl.dot`` returns
+    """Floating dtypes the kernels accept here (flash_attention takes fewer on a GPU: see
+    ``ops.flash_attention.flash_attention_dtypes``). Triton's interpreter has no bfloat16 (its bf16 ``tl.dot`` returns
     garbage), and GPUs below sm_80 (a T4) have no bfloat16 arithmetic: Triton refuses to compile it there."""
     profile = gpu_profile()
     if profile is not None and profile.has_bfloat16:

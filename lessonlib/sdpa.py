@@ -35,9 +35,11 @@ def _refuse_absent(backends: tuple[str, ...]) -> None:
         raise RuntimeError(f"No available kernel. Aborting execution. (on {profile.name}, sm_{profile.arch}: {reasons})")
 
 
-def attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = None, set_priority: bool = False):
-    """SDPA on q (B, H, Nq, D), k, v (B, Hkv, Nkv, D), restricted to ``backends`` (names of SDPBackend, tried in
-    that order when ``set_priority``); None lets PyTorch choose. GQA through ``enable_gqa``."""
+def scaled_dot_product_attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = None,
+                                 set_priority: bool = False):
+    """PyTorch's ``F.scaled_dot_product_attention`` on q (B, H, Nq, D), k, v (B, Hkv, Nkv, D), restricted to
+    ``backends`` (names of SDPBackend, tried in that order when ``set_priority``); None lets PyTorch choose. GQA
+    through ``enable_gqa``. (The plain-PyTorch attention that tests check against is ``reference.attention``.)"""
     gqa = q.shape[1] != k.shape[1]
     if backends is None:
         backends = available_backends() if runtime.gpu_profile() is not None and runtime.gpu_profile().emulated_on else None
@@ -59,7 +61,7 @@ def try_backend(backend: str, q, k, v, causal: bool = False) -> tuple[bool, str]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            attention(q, k, v, causal, backends=(backend,))
+            scaled_dot_product_attention(q, k, v, causal, backends=(backend,))
             return True, ""
         except RuntimeError as error:
             reasons = [str(w.message).strip() for w in caught if "not used because" in str(w.message) or

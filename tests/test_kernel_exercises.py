@@ -74,7 +74,7 @@ PLANTED = [  # exercise, (old line fragment, new), what the message must name
     ("flash_forward", ("tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q)", "tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q - 1)"),
      "loop that stops one key early"),
     ("flash_forward", ("visible = cols[None, :] < n_kv\n", "visible = cols[None, :] >= 0\n"), "without a bounds mask"),
-    ("paged_decode", ("rows = (physical * BLOCK_SIZE", "rows = (logical * BLOCK_SIZE"), "logical block index"),
+    ("paged_decode", ("rows = (physical * PAGE_SIZE", "rows = (logical * PAGE_SIZE"), "logical block index"),
     ("paged_decode", ("block_table_ptr + seq * max_blocks + logical", "block_table_ptr + logical"), "sequence 0's row"),
     ("paged_decode", ("* kv_heads + kv_head\n", "* kv_heads + head\n"), "query head instead of its KV head"),
     ("rope", ("(x1 * cos1 - x2 * sin1)", "(x1 * cos1 + x2 * sin1)"), "first half computed as x1 \\* cos \\+ x2"),

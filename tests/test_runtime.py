@@ -141,7 +141,7 @@ def test_bad_input_on_a_t4_is_refused_before_any_launch(on_gpu, monkeypatch):
         ops.swiglu(x, x)
     q = torch.randn(1, 2, 8, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match=r"No available kernel.*Tesla T4, sm_75: FLASH_ATTENTION"):
-        sdpa.attention(q, q, q, backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"))
+        sdpa.scaled_dot_product_attention(q, q, q, backends=("FLASH_ATTENTION", "CUDNN_ATTENTION"))
     ok, message = sdpa.try_backend("CUDNN_ATTENTION", q, q, q)
     assert not ok and "cuDNN's fused attention needs sm_80" in message
     assert sdpa.available_backends() == ("EFFICIENT_ATTENTION", "MATH")

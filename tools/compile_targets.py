@@ -216,7 +216,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
             "paged_attention", pa._paged_attention_split_kernel, f"D={head_dim} GROUP={group}", dtype,
             (dtype, dtype, dtype, torch.int32, torch.int32, f32, f32, f32, head_dim ** -0.5,
              heads * head_dim, head_dim, 256, *cache[:3], 8, 32),
-            dict(GROUP=group, BLOCK_G=max(16, pa.next_power_of_2(group)), BLOCK_SIZE=block_size,
+            dict(GROUP=group, BLOCK_G=max(16, pa.next_power_of_2(group)), PAGE_SIZE=block_size,
                  HEAD_DIM=head_dim, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
                  PRECISE_EXP=dtype == f32, **config),
             pa.split_shared_memory(config, head_dim, block_size, group, dtype.itemsize), config))
@@ -236,7 +236,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
             "paged_prefill_attention", pp._paged_prefill_attention_kernel, "D=128 GROUP=4", dtype,
             (dtype, dtype, dtype, torch.int32, torch.int32, torch.int32, dtype, 128 ** -0.5, 32 * 128, 128, 256,
              *cache[:3]),
-            dict(GROUP=4, BLOCK_SIZE=block_size, HEAD_DIM=128, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
+            dict(GROUP=4, PAGE_SIZE=block_size, HEAD_DIM=128, INPUT_PRECISION="ieee" if dtype == f32 else "tf32",
                  PRECISE_EXP=dtype == f32, **config),
             pp.shared_memory(config, 128, profile, dtype.itemsize), config))
 

@@ -206,7 +206,7 @@ class LLM:
 def resolve_dtype(dtype) -> torch.dtype:
     """The engine's dtype: the course's policy by default (bfloat16 on a GPU that has it, float16 below sm_80,
     float32 in the interpreter); a requested one must be one flash_attention runs here."""
-    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
 
     if dtype is None or dtype == "auto":
         return runtime.dtype(cpu=torch.float32)
@@ -216,7 +216,7 @@ def resolve_dtype(dtype) -> torch.dtype:
         if dtype not in names:
             raise ValueError(f"unknown dtype {dtype!r}: use one of {sorted(names)}")
         dtype = names[dtype]
-    allowed = supported_dtypes()
+    allowed = flash_attention_dtypes()
     if dtype not in allowed:
         if dtype == torch.bfloat16:
             why = runtime.why_not_bfloat16()

@@ -78,10 +78,10 @@ def check_key_tile_bound(fn) -> None:
 def check_flash_attention(fn) -> None:
     """``fn(q, k, v, causal=...)``: attention as ``lessonlib.reference.attention``, forward and backward, on odd
     lengths, GQA and both masks, outputs poisoned first; within the tolerance rule of lessonlib.testing."""
-    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
     from lessonlib.testing import check_attention
 
-    for dtype in supported_dtypes():
+    for dtype in flash_attention_dtypes():
         for (batch, heads, kv_heads, n_q, n_kv, head_dim, causal) in ((1, 2, 2, 17, 17, 32, True),
                                                                      (2, 4, 1, 9, 40, 16, True),
                                                                      (1, 4, 2, 33, 20, 64, False)):
@@ -94,7 +94,7 @@ def check_flash_attention(fn) -> None:
             except AssertionError as e:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
     print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
-          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}")
+          f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}")
 
 
 # --- 1. The FlashAttention forward kernel (notebook 02) ----------------------------------------------------------
@@ -218,10 +218,10 @@ def check_flash_forward_kernel(kernel) -> None:
     """``kernel``: the exercise's @triton.jit forward kernel, launched by :func:`flash_forward`. Checked against
     float64 attention on odd lengths (1, 7, 45, 100), GQA and MQA, causal with Nq != Nkv, in every dtype the
     FlashAttention kernels take here, outputs poisoned; a wrong answer is matched against known mistakes."""
-    from lessonlib.ops.flash_attention import supported_dtypes
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
 
     block_n = flash_forward_config()["BLOCK_N"]
-    for dtype in supported_dtypes():
+    for dtype in flash_attention_dtypes():
         for batch, heads, kv_heads, n_q, n_kv, head_dim, causal in FLASH_FORWARD_CASES:
             q, k, v = _inputs((batch, heads, n_q, head_dim), (batch, kv_heads, n_kv, head_dim),
                               (batch, kv_heads, n_kv, head_dim), dtype=dtype)
@@ -241,5 +241,5 @@ def check_flash_forward_kernel(kernel) -> None:
                       attention_allowance(q, k, v))
     print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
-          f"{', '.join(str(d).removeprefix('torch.') for d in supported_dtypes())}"
+          f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")

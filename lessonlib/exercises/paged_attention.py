@@ -101,7 +101,7 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out = torch.empty_like(q)
     launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
            block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
-           GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
+           GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
     return out
 
 
@@ -148,10 +148,10 @@ def _paged_decode_mistakes(q, k_cache, v_cache, table, seq_lens):
         yield ("indexing the cache with the query head instead of its KV head gives: kv_head = head // GROUP",
                run(rows(right, lambda h: h)))
     yield ("a cache laid out as (num_blocks, Hkv, block_size, D) gives: the pool is (num_blocks, block_size, Hkv, "
-           "D), so a token's rows for all heads are adjacent: row = (physical * BLOCK_SIZE + t) * Hkv + kv_head",
+           "D), so a token's rows for all heads are adjacent: row = (physical * PAGE_SIZE + t) * Hkv + kv_head",
            run(lambda b, h, t: (right(b, t // block_size) * kv_heads + h // group) * block_size + t % block_size))
-    yield ("rows without the block size (physical + offset, not physical * BLOCK_SIZE + offset) give: a physical "
-           "block holds BLOCK_SIZE tokens",
+    yield ("rows without the block size (physical + offset, not physical * PAGE_SIZE + offset) give: a physical "
+           "block holds PAGE_SIZE tokens",
            run(lambda b, h, t: (right(b, t // block_size) + t % block_size) * kv_heads + h // group))
 
 

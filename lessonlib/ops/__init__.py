@@ -1,6 +1,14 @@
 """Fused Triton kernels, one op per file, each with the signature of its twin in ``lessonlib.reference``.
 
 Importing this package decides the runtime mode first (GPU or Triton's interpreter), then defines the kernels.
+
+Names every kernel follows:
+- A stride argument is ``stride_`` + the tensor + the dimension, as in Triton's tutorials and flash-attention's
+  Triton kernels: ``stride_qm`` is q's stride between query rows. Letters run together (``stride_qb``,
+  ``stride_kn``, ``stride_dob`` for dO); a tensor or dimension named by a word takes an underscore
+  (``stride_gate_row``, ``stride_cache_token``). Dimensions: b batch, h head, t token, m query row, n key row.
+- ``BLOCK_*`` constexprs are tiles (elements or rows a program handles at once); the tokens of one paged-cache block
+  are ``PAGE_SIZE`` (the launchers keep vLLM's ``block_size``).
 """
 
 from lessonlib import runtime

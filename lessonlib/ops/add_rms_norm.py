@@ -45,21 +45,21 @@ ELEMENTS_PER_WARP = 2048
 
 @triton.jit
 def _add_rms_norm_kernel(
-    x_ptr,  # (n_rows, n_cols), rows x_row_stride apart
-    residual_ptr,  # (n_rows, n_cols), rows residual_row_stride apart
+    x_ptr,  # (n_rows, n_cols), rows stride_x_row apart
+    residual_ptr,  # (n_rows, n_cols), rows stride_residual_row apart
     weight_ptr,  # (n_cols,)
     out_ptr,  # (n_rows, n_cols) contiguous: weight * rms_norm(x + residual)
     residual_out_ptr,  # (n_rows, n_cols) contiguous: x + residual, the next layer's residual stream
     n_cols,
-    x_row_stride,
-    residual_row_stride,
+    stride_x_row,
+    stride_residual_row,
     eps,
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_ptr += row * x_row_stride
-    residual_ptr += row * residual_row_stride
+    x_ptr += row * stride_x_row
+    residual_ptr += row * stride_residual_row
     out_ptr += row * n_cols
     residual_out_ptr += row * n_cols
     dtype = out_ptr.dtype.element_ty
@@ -104,8 +104,8 @@ def _add_rms_norm_kernel(
 
 @triton.jit
 def _add_rms_norm_backward_kernel(
-    grad_out_ptr,  # (n_rows, n_cols): d(normalized), rows grad_out_row_stride apart
-    grad_residual_out_ptr,  # (n_rows, n_cols): d(updated residual), rows grad_residual_out_row_stride apart
+    grad_out_ptr,  # (n_rows, n_cols): d(normalized), rows stride_grad_out_row apart
+    grad_residual_out_ptr,  # (n_rows, n_cols): d(updated residual), rows stride_grad_residual_out_row apart
     residual_out_ptr,  # (n_rows, n_cols) contiguous: the forward's updated residual h, saved
     weight_ptr,  # (n_cols,)
     grad_h_ptr,  # (n_rows, n_cols) contiguous: d_h, the gradient of x and of residual alike
@@ -113,8 +113,8 @@ def _add_rms_norm_backward_kernel(
     n_rows,
     n_cols,
     rows_per_program,
-    grad_out_row_stride,
-    grad_residual_out_row_stride,
+    stride_grad_out_row,
+    stride_grad_residual_out_row,
     eps,
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: the row, and this program's share of d(weight), stay in registers
@@ -133,8 +133,8 @@ def _add_rms_norm_backward_kernel(
         for row in range(first, last):
             row = tl.cast(row, tl.int64)
             h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-            g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-            g_res = tl.load(grad_residual_out_ptr + row * grad_residual_out_row_stride + cols, mask=mask, other=0.0)
+            g = tl.load(grad_out_ptr + row * stride_grad_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+            g_res = tl.load(grad_residual_out_ptr + row * stride_grad_residual_out_row + cols, mask=mask, other=0.0)
             rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)  # as the forward computed it
             n = h * rstd
             grad_w += g * n.to(dtype).to(tl.float32)  # the forward multiplied weight by n rounded to the dtype
@@ -156,7 +156,7 @@ def _add_rms_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+                g = tl.load(grad_out_ptr + row * stride_grad_out_row + cols, mask=mask, other=0.0).to(tl.float32)
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 sum_sq += h * h
                 sum_grad_h += g * w * h
@@ -167,8 +167,8 @@ def _add_rms_norm_backward_kernel(
                 cols = start + tl.arange(0, BLOCK)
                 mask = cols < n_cols
                 h = tl.load(residual_out_ptr + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-                g = tl.load(grad_out_ptr + row * grad_out_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
-                g_res = tl.load(grad_residual_out_ptr + row * grad_residual_out_row_stride + cols, mask=mask, other=0.0)
+                g = tl.load(grad_out_ptr + row * stride_grad_out_row + cols, mask=mask, other=0.0).to(tl.float32)
+                g_res = tl.load(grad_residual_out_ptr + row * stride_grad_residual_out_row + cols, mask=mask, other=0.0)
                 w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
                 n = h * rstd
                 grad_h = rstd * (g * w - n * mean_grad_n) + g_res.to(tl.float32)

@@ -27,8 +27,8 @@ def _rotate_heads(
     x_ptr,  # x[b, 0, t, 0]: first head of one (b, t) row
     out_ptr,  # out[b, 0, t, 0]
     n_heads,
-    x_head_stride,
-    out_head_stride,
+    stride_xh,
+    stride_out_h,
     half,  # head_dim // 2
     cos1, cos2, sin1, sin2,  # (BLOCK_D,) float32: the two halves of this position's cos and sin rows
     BLOCK_H: tl.constexpr,
@@ -39,8 +39,8 @@ def _rotate_heads(
     for h0 in range(0, n_heads, BLOCK_H):
         h = (h0 + tl.arange(0, BLOCK_H))[:, None]
         mask = (h < n_heads) & (d < half)
-        x_row = x_ptr + h * x_head_stride + d
-        out_row = out_ptr + h * out_head_stride + d
+        x_row = x_ptr + h * stride_xh + d
+        out_row = out_ptr + h * stride_out_h + d
         x1 = tl.load(x_row, mask=mask).to(tl.float32)
         x2 = tl.load(x_row + half, mask=mask).to(tl.float32)
         if INVERSE:
@@ -61,12 +61,12 @@ def _apply_rope_kernel(
     cos_ptr, sin_ptr,  # (B, T, D) views; stride 0 along B when one table serves every batch row
     q_out_ptr, k_out_ptr,  # like q and k
     seq_len, n_q_heads, n_kv_heads, half,
-    q_stride_b, q_stride_h, q_stride_t,
-    k_stride_b, k_stride_h, k_stride_t,
-    cos_stride_b, cos_stride_t,
-    sin_stride_b, sin_stride_t,
-    q_out_stride_b, q_out_stride_h, q_out_stride_t,
-    k_out_stride_b, k_out_stride_h, k_out_stride_t,
+    stride_qb, stride_qh, stride_qt,
+    stride_kb, stride_kh, stride_kt,
+    stride_cos_b, stride_cos_t,
+    stride_sin_b, stride_sin_t,
+    stride_q_out_b, stride_q_out_h, stride_q_out_t,
+    stride_k_out_b, stride_k_out_h, stride_k_out_t,
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,
     INVERSE: tl.constexpr,  # the backward: rotate the gradients back
 ):
@@ -75,19 +75,19 @@ def _apply_rope_kernel(
     t = pid % seq_len
     d = tl.arange(0, BLOCK_D)
     dmask = d < half
-    cos_row = cos_ptr + b * cos_stride_b + t * cos_stride_t
-    sin_row = sin_ptr + b * sin_stride_b + t * sin_stride_t
+    cos_row = cos_ptr + b * stride_cos_b + t * stride_cos_t
+    sin_row = sin_ptr + b * stride_sin_b + t * stride_sin_t
     cos1 = tl.load(cos_row + d, mask=dmask).to(tl.float32)[None, :]
     cos2 = tl.load(cos_row + half + d, mask=dmask).to(tl.float32)[None, :]
     sin1 = tl.load(sin_row + d, mask=dmask).to(tl.float32)[None, :]
     sin2 = tl.load(sin_row + half + d, mask=dmask).to(tl.float32)[None, :]
     _rotate_heads(
-        q_ptr + b * q_stride_b + t * q_stride_t, q_out_ptr + b * q_out_stride_b + t * q_out_stride_t,
-        n_q_heads, q_stride_h, q_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D, INVERSE,
+        q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_q_out_b + t * stride_q_out_t,
+        n_q_heads, stride_qh, stride_q_out_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D, INVERSE,
     )
     _rotate_heads(
-        k_ptr + b * k_stride_b + t * k_stride_t, k_out_ptr + b * k_out_stride_b + t * k_out_stride_t,
-        n_kv_heads, k_stride_h, k_out_stride_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D, INVERSE,
+        k_ptr + b * stride_kb + t * stride_kt, k_out_ptr + b * stride_k_out_b + t * stride_k_out_t,
+        n_kv_heads, stride_kh, stride_k_out_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D, INVERSE,
     )
 
 

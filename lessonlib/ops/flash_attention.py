@@ -16,6 +16,10 @@ torch.compile needs it, the forward launcher directly otherwise.
 Causal attention is aligned to the end (query i sees keys j <= i + Nkv - Nq). Key tiles entirely above the diagonal
 are never visited; tiles that need no mask (fully visible, fully in bounds) run a mask-free loop, and only the
 diagonal band and the ragged last tile pay for masking.
+
+The kernels live in ``_flash_attention_forward.py`` and ``_flash_attention_backward.py``; this file holds what
+launches them: the H200-tuned configurations, the input checks, the launchers and the op. Every name is importable
+from here, kernels included.
 """
 
 from __future__ import annotations
@@ -24,220 +28,14 @@ import math
 
 import torch
 import triton
-import triton.language as tl
 
 from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, first_that_fits, launch
+from lessonlib.ops._flash_attention_backward import _flash_attention_dkdv_kernel, _flash_attention_dq_kernel
+from lessonlib.ops._flash_attention_forward import _attend_tiles, _flash_attention_forward_kernel  # noqa: F401
+# (_attend_tiles is imported here for notebook 02, which shows it: the kernels live in the two modules above.)
 
 HEAD_DIMS = (16, 32, 64, 128)
-LOG2E = 1.4426950408889634
-
-
-@triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, lo, hi, n_kv, causal_offset,
-                  qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Fold key/value tiles [lo, hi) into the online-softmax state. MASKED: apply bounds and the causal mask."""
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = lo + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    # Offsets inside one tile, computed once; each step moves a single scalar base. (Advancing the tile of pointers
-    # itself costs a 64-bit add per pointer per step, and registers: about 0.9x the speed at D=64 on the H200.)
-    k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # K^T tile: (HEAD_DIM, BLOCK_N)
-    v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
-    for start_n in range(lo, hi, BLOCK_N):
-        k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + k_tile
-        v_ptrs = v_base + tl.cast(start_n, tl.int64) * stride_vn + v_tile
-        if MASKED:
-            in_bounds = offs_n < n_kv
-            k = tl.load(k_ptrs, mask=in_bounds[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        s = tl.dot(q, k)  # raw scores; scaled into log2 units inside the exponent below
-        if MASKED:
-            visible = in_bounds[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        p = tl.math.exp2(s * qk_scale - m_new[:, None])  # one fused multiply-add per score
-        alpha = tl.math.exp2(m_i - m_new)  # rescales what was summed under the old maximum
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the tensor cores add into the rescaled acc
-        m_i = m_new
-        offs_n += BLOCK_N
-    return acc, m_i, l_i
-
-
-@triton.jit
-def _flash_attention_forward_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_om,
-    heads, n_q, n_kv, sm_scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    if CAUSAL:  # the last query tiles see the most keys: launch them first, so short tiles fill the tail
-        tile = tl.num_programs(0) - 1 - tile
-    start_m = tile * BLOCK_M
-    batch = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    kv_head = head // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=offs_m[:, None] < n_q, other=0.0)
-
-    # A finite start for the running max: a row that sees no key keeps l = 0 and no inf - inf appears.
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634  # exp(x) = exp2(x * log2(e))
-
-    # Key tiles [0, full_hi) are visible to every row of this query tile and in bounds: no mask.
-    # Tiles [full_hi, hi) need one; tiles from hi on are above the diagonal (causal) or past the end: skipped.
-    causal_offset = n_kv - n_q
-    if CAUSAL:  # the tile's last real query row sees keys up to (last row + offset): see key_tile_bounds()
-        hi = tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + causal_offset)
-        full_hi = tl.minimum((start_m + causal_offset + 1) // BLOCK_N * BLOCK_N, n_kv // BLOCK_N * BLOCK_N)
-    else:
-        hi = n_kv
-        full_hi = n_kv // BLOCK_N * BLOCK_N
-    hi = tl.maximum(hi, 0)
-    full_hi = tl.maximum(tl.minimum(full_hi, hi), 0)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, 0, full_hi, n_kv,
-                                  causal_offset, qk_scale, False, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
-    acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, full_hi, hi, n_kv,
-                                  causal_offset, qk_scale, True, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM)
-
-    seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]  # a row that saw no key: 0
-    lse = tl.where(seen, (m_i + tl.math.log2(tl.where(seen, l_i, 1.0))) / 1.4426950408889634, float("-inf"))
-    row_ok = offs_m < n_q
-    o_base = out_ptr + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    tl.store(o_base + offs_m[:, None] * stride_om + offs_d[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(lse_ptr + (batch * heads + head).to(tl.int64) * n_q + offs_m, lse, mask=row_ok)
-
-
-@triton.jit
-def _flash_attention_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    heads, kv_heads, n_q, n_kv, sm_scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """dK, dV for one key/value tile of one KV head: sum over its GROUP query heads and the query tiles that see it."""
-    start_n = tl.program_id(0) * BLOCK_N
-    batch = tl.program_id(1) // kv_heads
-    kv_head = tl.program_id(1) % kv_heads
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    n_ok = offs_n < n_kv
-    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=n_ok[:, None], other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-
-    causal_offset = n_kv - n_q
-    lo = 0
-    if CAUSAL:  # query i sees key j when i >= j - offset: start at the query tile holding start_n - offset
-        lo = tl.maximum(start_n - causal_offset, 0) // BLOCK_M * BLOCK_M
-    q_tile = tl.arange(0, BLOCK_M)[:, None] * stride_qm + offs_d[None, :]  # offsets inside one tile, as forward
-    do_tile = tl.arange(0, BLOCK_M)[:, None] * stride_dom + offs_d[None, :]
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        do_base = do_ptr + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        row_base = (batch * heads + head).to(tl.int64) * n_q
-        offs_m = lo + tl.arange(0, BLOCK_M)
-        for start_m in range(lo, n_q, BLOCK_M):
-            m_ok = offs_m < n_q
-            q = tl.load(q_base + tl.cast(start_m, tl.int64) * stride_qm + q_tile, mask=m_ok[:, None], other=0.0)
-            do = tl.load(do_base + tl.cast(start_m, tl.int64) * stride_dom + do_tile, mask=m_ok[:, None], other=0.0)
-            lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-            delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-            s_t = tl.dot(k, tl.trans(q)) * qk_scale  # (BLOCK_N, BLOCK_M): scores transposed, log2 units
-            visible = n_ok[:, None] & m_ok[None, :]
-            if CAUSAL:
-                visible = visible & (offs_n[:, None] <= offs_m[None, :] + causal_offset)
-            p_t = tl.where(visible, tl.math.exp2(s_t - lse[None, :]), 0.0)
-            dv += tl.dot(p_t.to(do.dtype), do)
-            dp_t = tl.dot(v, tl.trans(do))
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk += tl.dot(ds_t.to(q.dtype), q)
-            offs_m += BLOCK_M
-    dk *= sm_scale
-    out_offsets = (batch * kv_heads + kv_head).to(tl.int64) * n_kv * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dk_ptr + out_offsets, dk.to(dk_ptr.dtype.element_ty), mask=n_ok[:, None])
-    tl.store(dv_ptr + out_offsets, dv.to(dv_ptr.dtype.element_ty), mask=n_ok[:, None])
-
-
-@triton.jit
-def _flash_attention_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
-    stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_dom,
-    heads, n_q, n_kv, sm_scale,
-    GROUP: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-):
-    """dQ for one query tile of one head: sum over the key/value tiles it sees."""
-    start_m = tl.program_id(0) * BLOCK_M
-    batch = tl.program_id(1) // heads
-    head = tl.program_id(1) % heads
-    kv_head = head // GROUP
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_ok = offs_m < n_q
-    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-    do_base = do_ptr + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-    k_base = k_ptr + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-    v_base = v_ptr + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-    row_base = (batch * heads + head).to(tl.int64) * n_q
-    q = tl.load(q_base + offs_m[:, None] * stride_qm + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-    do = tl.load(do_base + offs_m[:, None] * stride_dom + offs_d[None, :], mask=m_ok[:, None], other=0.0)
-    lse = tl.load(lse_ptr + row_base + offs_m, mask=m_ok, other=0.0) * 1.4426950408889634
-    delta = tl.load(delta_ptr + row_base + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
-
-    causal_offset = n_kv - n_q
-    hi = n_kv
-    if CAUSAL:
-        hi = tl.maximum(tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + causal_offset), 0)
-    offs_n = tl.arange(0, BLOCK_N)
-    k_tile = offs_n[:, None] * stride_kn + offs_d[None, :]  # offsets inside one tile, as forward
-    v_tile = offs_n[:, None] * stride_vn + offs_d[None, :]
-    for start_n in range(0, hi, BLOCK_N):
-        n_ok = offs_n < n_kv
-        k = tl.load(k_base + tl.cast(start_n, tl.int64) * stride_kn + k_tile, mask=n_ok[:, None], other=0.0)
-        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_vn + v_tile, mask=n_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
-        visible = m_ok[:, None] & n_ok[None, :]
-        if CAUSAL:
-            visible = visible & (offs_n[None, :] <= offs_m[:, None] + causal_offset)
-        p = tl.where(visible, tl.math.exp2(s - lse[:, None]), 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
-        offs_n += BLOCK_N
-    dq *= sm_scale
-    out_offsets = (batch * heads + head).to(tl.int64) * n_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(dq_ptr + out_offsets, dq.to(dq_ptr.dtype.element_ty), mask=m_ok[:, None])
 
 
 def key_tile_bounds(start_m: int, block_m: int, n_q: int, n_kv: int, causal: bool, block_n: int) -> tuple[int, int]:
@@ -264,9 +62,10 @@ def tile_plan(n_q: int, n_kv: int, block_m: int, block_n: int, causal: bool) -> 
     return plan
 
 
-def supported_dtypes() -> tuple[torch.dtype, ...]:
-    """The GPU's 16-bit dtypes (float16, and bfloat16 from sm_80 on); float32 and float16 in the interpreter. No
-    float32 on a GPU: ``tl.dot`` would run it as TF32, a different function."""
+def flash_attention_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes flash_attention takes here, a subset of ``runtime.supported_dtypes()`` (what the element-wise
+    kernels take): the GPU's 16-bit dtypes (float16, and bfloat16 from sm_80 on); float32 and float16 in the
+    interpreter. No float32 on a GPU: ``tl.dot`` would run it as TF32, a different function."""
     if not runtime.on_gpu():
         return (torch.float32, torch.float16)
     return tuple(d for d in (torch.float16, torch.bfloat16) if d in runtime.supported_dtypes())
@@ -383,11 +182,11 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"flash_attention: {name} must be (B, H, N, D), got shape {tuple(t.shape)}")
-    if q.dtype not in supported_dtypes():
+    if q.dtype not in flash_attention_dtypes():
         where = "on the GPU" if runtime.on_gpu() else "in Triton's interpreter"
         why = f" ({runtime.why_not_bfloat16()})" if q.dtype == torch.bfloat16 else ""
         raise TypeError(f"flash_attention: dtype {q.dtype} is not supported {where}{why}; use one of "
-                        f"{', '.join(map(str, supported_dtypes()))}")
+                        f"{', '.join(map(str, flash_attention_dtypes()))}")
     if k.shape != v.shape:
         raise ValueError(f"flash_attention: k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     batch, heads, n_q, head_dim = q.shape

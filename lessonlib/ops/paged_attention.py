@@ -54,14 +54,14 @@ def _paged_attention_split_kernel(
     partial_out_ptr,  # (B, H, num_splits, D) float32: unnormalised sum of p * v over the split
     partial_max_ptr, partial_sum_ptr,  # (B, H, num_splits) float32: running max and sum of exp(score - max)
     sm_scale,
-    q_stride_b, q_stride_h,
-    table_stride_b,
-    cache_stride_block, cache_stride_token, cache_stride_head,
+    stride_qb, stride_qh,
+    stride_table_b,
+    stride_cache_block, stride_cache_token, stride_cache_head,
     num_splits, blocks_per_split,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # GROUP rounded up to a tl.dot-friendly 16
-    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
-    BLOCKS_PER_STEP: tl.constexpr,  # cache blocks gathered per loop iteration
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block (a page): the launcher's block_size
+    PAGES_PER_STEP: tl.constexpr,  # cache blocks gathered per loop iteration (the launcher's blocks_per_step)
     HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding), else the default
     PRECISE_EXP: tl.constexpr,  # float32 inputs on the GPU: precise exp (see _exp)
@@ -73,29 +73,29 @@ def _paged_attention_split_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM)
-    t = tl.arange(0, BLOCK_SIZE)
+    t = tl.arange(0, PAGE_SIZE)
     heads = kv_head * GROUP + g  # the query heads served by this KV head
     g_mask = g < GROUP
-    q = tl.load(q_ptr + b * q_stride_b + heads[:, None] * q_stride_h + d[None, :], mask=g_mask[:, None], other=0.0)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
 
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, BLOCK_SIZE))
-    # BLOCKS_PER_STEP cache blocks per iteration: one 16-token block (4 KB of K) is too little work per step to
-    # keep enough loads in flight. Token j of a step lives in block table[logical + j // BLOCK_SIZE].
-    j = tl.arange(0, BLOCKS_PER_STEP * BLOCK_SIZE)
-    for logical in range(first, last, BLOCKS_PER_STEP):
-        block_of_token = logical + j // BLOCK_SIZE
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, PAGE_SIZE))
+    # PAGES_PER_STEP cache blocks per iteration: one 16-token block (4 KB of K) is too little work per step to
+    # keep enough loads in flight. Token j of a step lives in block table[logical + j // PAGE_SIZE].
+    j = tl.arange(0, PAGES_PER_STEP * PAGE_SIZE)
+    for logical in range(first, last, PAGES_PER_STEP):
+        block_of_token = logical + j // PAGE_SIZE
         in_split = block_of_token < last
-        physical = tl.load(block_table_ptr + b * table_stride_b + block_of_token, mask=in_split, other=0).to(tl.int64)
-        offsets = (physical * cache_stride_block + (j % BLOCK_SIZE) * cache_stride_token)[:, None] \
-            + kv_head * cache_stride_head + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=in_split[:, None], other=0.0)  # (BLOCKS_PER_STEP * BLOCK_SIZE, D)
+        physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
+        offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
+            + kv_head * stride_cache_head + d[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=in_split[:, None], other=0.0)  # (PAGES_PER_STEP * PAGE_SIZE, D)
         v = tl.load(v_cache_ptr + offsets, mask=in_split[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, tokens)
-        valid = in_split & ((logical * BLOCK_SIZE + j) < seq_len)
+        valid = in_split & ((logical * PAGE_SIZE + j) < seq_len)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = _exp(m - m_new, PRECISE_EXP)
@@ -139,7 +139,7 @@ def split_shared_memory(config: dict, head_dim: int, block_size: int, group: int
     to 4 x BLOCK_G x D bytes: measured on sm_75, less elsewhere). Compiled at D=128, 16 bits, 64 tokens: 39 KB on
     sm_80/sm_90 and 40 KB on sm_75, for 32 KB of K and V rows; at 32 tokens on sm_75 24 KB. Checked against the
     compiled kernels by tests/ops/test_compile_targets.py."""
-    kv = 2 * config["BLOCKS_PER_STEP"] * block_size * head_dim * itemsize
+    kv = 2 * config["PAGES_PER_STEP"] * block_size * head_dim * itemsize
     return 5 * kv // 4 + 4 * _block_g(group) * head_dim
 
 
@@ -150,13 +150,13 @@ def _block_g(group: int) -> int:
 @lru_cache(maxsize=None)
 def _split_config(head_dim: int, block_size: int, group: int, itemsize: int, profile: runtime.GPUProfile | None) -> dict:
     if profile is None:  # the interpreter: no shared memory to fit
-        return dict(BLOCKS_PER_STEP=max(1, TOKENS_PER_STEP // block_size), num_warps=4)
+        return dict(PAGES_PER_STEP=max(1, TOKENS_PER_STEP // block_size), num_warps=4)
     # TOKENS_PER_STEP rows per step where they fit (the H200's choice, every benchmark shape there), else half, then a
     # quarter: a T4's 64 KB holds 64 rows of D=128 in 16 bits but not in float32, nor 64 rows of D=256. On sm_75
     # (FMA products) 64 rows spill (D=128, 16 bits: 255 registers and 640 B of spill stores; 32 rows: 208 registers,
     # none; Triton 3.9, tools/compile_targets.py --registers), so a T4 starts at 32.
     steps = (TOKENS_PER_STEP, TOKENS_PER_STEP // 2, TOKENS_PER_STEP // 4)
-    ladder = [dict(BLOCKS_PER_STEP=max(1, tokens // block_size), num_warps=4)
+    ladder = [dict(PAGES_PER_STEP=max(1, tokens // block_size), num_warps=4)
               for tokens in (steps if profile.triton_tensor_cores else steps[1:])]
     return first_that_fits("paged_attention", ladder,
                            lambda c: split_shared_memory(c, head_dim, block_size, group, itemsize), profile)
@@ -263,8 +263,8 @@ def paged_attention_forward(
         q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum,
         sm_scale if sm_scale is not None else head_dim ** -0.5,
         q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
-        GROUP=group, BLOCK_G=_block_g(group), BLOCK_SIZE=block_size,
-        BLOCKS_PER_STEP=blocks_per_step or config["BLOCKS_PER_STEP"], HEAD_DIM=head_dim,
+        GROUP=group, BLOCK_G=_block_g(group), PAGE_SIZE=block_size,
+        PAGES_PER_STEP=blocks_per_step or config["PAGES_PER_STEP"], HEAD_DIM=head_dim,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise,
         num_warps=num_warps or config["num_warps"],
         **({} if num_stages is None else {"num_stages": num_stages}),

@@ -33,13 +33,13 @@ def _paged_prefill_attention_kernel(
     query_starts_ptr,  # (B + 1,) int32: sequence b's new tokens are q rows query_starts[b] .. query_starts[b+1]-1
     out_ptr,  # (T, H, D) contiguous
     sm_scale,
-    q_stride_t, q_stride_h,
-    table_stride_b,
-    cache_stride_block, cache_stride_token, cache_stride_head,
+    stride_qt, stride_qh,
+    stride_table_b,
+    stride_cache_block, stride_cache_token, stride_cache_head,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,  # query rows per program
     BLOCK_N: tl.constexpr,  # keys per loop step (may span several cache blocks)
-    BLOCK_SIZE: tl.constexpr,  # tokens per cache block
+    PAGE_SIZE: tl.constexpr,  # tokens per cache block (a page): the launcher's block_size
     HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 (no tf32 rounding), else the default
     PRECISE_EXP: tl.constexpr,  # float32 on the GPU: libdevice's exp (see paged_attention._exp)
@@ -57,7 +57,7 @@ def _paged_prefill_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     m_ok = offs_m < q_len
     rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * q_stride_t + head * q_stride_h + offs_d[None, :], mask=m_ok[:, None], other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :], mask=m_ok[:, None], other=0.0)
 
     # A finite start for the running max, as flash_attention: a masked-out row never computes inf - inf.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
@@ -69,9 +69,9 @@ def _paged_prefill_attention_kernel(
     for start_n in range(0, hi, BLOCK_N):
         keys = start_n + offs_n
         in_seq = keys < seq_len
-        physical = tl.load(block_table_ptr + b * table_stride_b + keys // BLOCK_SIZE, mask=in_seq, other=0).to(tl.int64)
-        offsets = (physical * cache_stride_block + (keys % BLOCK_SIZE) * cache_stride_token)[:, None] \
-            + kv_head * cache_stride_head + offs_d[None, :]
+        physical = tl.load(block_table_ptr + b * stride_table_b + keys // PAGE_SIZE, mask=in_seq, other=0).to(tl.int64)
+        offsets = (physical * stride_cache_block + (keys % PAGE_SIZE) * stride_cache_token)[:, None] \
+            + kv_head * stride_cache_head + offs_d[None, :]
         k = tl.load(k_cache_ptr + offsets, mask=in_seq[:, None], other=0.0)  # (BLOCK_N, D)
         v = tl.load(v_cache_ptr + offsets, mask=in_seq[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
@@ -193,7 +193,7 @@ def paged_prefill_attention(
         q, k_cache, v_cache, block_table, seq_lens, query_starts, out,
         sm_scale if sm_scale is not None else head_dim ** -0.5,
         q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3],
-        GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
+        GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         PRECISE_EXP=q.dtype == torch.float32 and runtime.on_gpu(), **meta,
     )

@@ -19,11 +19,11 @@ from lessonlib.ops._common import check_tensors, launch, next_power_of_2, refuse
 
 @triton.jit
 def _store_kv_kernel(
-    k_ptr, v_ptr,  # (T, num_kv_heads, head_dim): token rows k_token_stride / v_token_stride apart, each row contiguous
+    k_ptr, v_ptr,  # (T, num_kv_heads, head_dim): token rows stride_kt / stride_vt apart, each row contiguous
     k_cache_ptr, v_cache_ptr,  # (num_slots, row) contiguous: (num_blocks, block_size, num_kv_heads, head_dim)
     slots_ptr,  # (T,) int64: where each token goes
-    k_token_stride,
-    v_token_stride,
+    stride_kt,
+    stride_vt,
     row,  # num_kv_heads * head_dim
     BLOCK: tl.constexpr,
 ):
@@ -32,8 +32,8 @@ def _store_kv_kernel(
     for start in range(0, row, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         mask = cols < row
-        tl.store(k_cache_ptr + slot * row + cols, tl.load(k_ptr + token * k_token_stride + cols, mask=mask), mask=mask)
-        tl.store(v_cache_ptr + slot * row + cols, tl.load(v_ptr + token * v_token_stride + cols, mask=mask), mask=mask)
+        tl.store(k_cache_ptr + slot * row + cols, tl.load(k_ptr + token * stride_kt + cols, mask=mask), mask=mask)
+        tl.store(v_cache_ptr + slot * row + cols, tl.load(v_ptr + token * stride_vt + cols, mask=mask), mask=mask)
 
 
 def _check(k, v, k_cache, v_cache, slots) -> None:

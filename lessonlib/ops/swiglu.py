@@ -28,13 +28,13 @@ BLOCK = 2048
 
 @triton.jit
 def _swiglu_kernel(
-    gate_ptr,  # (n_rows, n_cols), rows gate_row_stride apart, columns contiguous
-    up_ptr,  # (n_rows, n_cols), rows up_row_stride apart, columns contiguous
-    out_ptr,  # (n_rows, n_cols), rows out_row_stride apart, columns contiguous
+    gate_ptr,  # (n_rows, n_cols), rows stride_gate_row apart, columns contiguous
+    up_ptr,  # (n_rows, n_cols), rows stride_up_row apart, columns contiguous
+    out_ptr,  # (n_rows, n_cols), rows stride_out_row apart, columns contiguous
     n_cols,
-    gate_row_stride,
-    up_row_stride,
-    out_row_stride,
+    stride_gate_row,
+    stride_up_row,
+    stride_out_row,
     BLOCK: tl.constexpr,  # columns per program
 ):
     # A 1-D grid walked row by row: programs launched together touch neighbouring memory. (A 2-D grid of
@@ -44,23 +44,23 @@ def _swiglu_kernel(
     row = (pid // blocks_per_row).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
-    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up  # in float32, rounded once on the store
-    tl.store(out_ptr + row * out_row_stride + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * stride_out_row + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _swiglu_backward_kernel(
-    grad_ptr,  # (n_rows, n_cols): d(out), rows grad_row_stride apart, columns contiguous
-    gate_ptr,  # (n_rows, n_cols): the forward's gate, saved, rows gate_row_stride apart
-    up_ptr,  # (n_rows, n_cols): the forward's up, saved, rows up_row_stride apart
+    grad_ptr,  # (n_rows, n_cols): d(out), rows stride_grad_row apart, columns contiguous
+    gate_ptr,  # (n_rows, n_cols): the forward's gate, saved, rows stride_gate_row apart
+    up_ptr,  # (n_rows, n_cols): the forward's up, saved, rows stride_up_row apart
     grad_gate_ptr,  # (n_rows, n_cols) contiguous: d(gate)
     grad_up_ptr,  # (n_rows, n_cols) contiguous: d(up)
     n_cols,
-    grad_row_stride,
-    gate_row_stride,
-    up_row_stride,
+    stride_grad_row,
+    stride_gate_row,
+    stride_up_row,
     BLOCK: tl.constexpr,  # columns per program
 ):
     # The forward's grid and walk: same tensors, same shape, same reasons.
@@ -69,9 +69,9 @@ def _swiglu_backward_kernel(
     row = (pid // blocks_per_row).to(tl.int64)
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    grad = tl.load(grad_ptr + row * grad_row_stride + cols, mask=mask).to(tl.float32)
-    gate = tl.load(gate_ptr + row * gate_row_stride + cols, mask=mask).to(tl.float32)
-    up = tl.load(up_ptr + row * up_row_stride + cols, mask=mask).to(tl.float32)
+    grad = tl.load(grad_ptr + row * stride_grad_row + cols, mask=mask).to(tl.float32)
+    gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
+    up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
     sig = tl.sigmoid(gate)  # recomputed, not saved: a few FLOPs instead of a (T, I) tensor kept and re-read
     silu = gate * sig
     # d silu(g) / dg = sig + g * sig * (1 - sig) = sig * (1 + g * (1 - sig))

@@ -61,9 +61,10 @@ def test_add_rms_norm_rejects_negative_eps():
         ops.add_rms_norm(randn(2, 8), randn(2, 8), randn(8), eps=-1.0)
 
 
-def test_add_rms_norm_more_rows_than_programs(dtype):
-    # More rows than the grid has programs (on the GPU: PROGRAMS_PER_SM per multiprocessor), so each program
-    # walks several rows.
+def test_add_rms_norm_many_rows(dtype):
+    # 1500 rows: the forward launches one program per row (see the sweep above _add_rms_norm_kernel), so this is a
+    # large grid of short rows. Programs that walk several rows are the backward's (BACKWARD_PROGRAMS_PER_SM per
+    # multiprocessor): tested by the gradient tests below.
     x, residual, weight = randn(1500, 33, dtype=dtype), randn(1500, 33, dtype=dtype), randn(33, dtype=dtype)
     with poisoned_outputs():
         out, residual_out = ops.add_rms_norm(x, residual, weight)

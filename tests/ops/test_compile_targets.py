@@ -158,7 +158,7 @@ def test_hopper_keeps_the_h200_tuned_configurations():
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
             for head_dim in (64, 128, 256):
                 for group in (1, 4, 8):
-                    assert pa.split_config(head_dim, 16, group, dtype, hopper) == dict(BLOCKS_PER_STEP=4, num_warps=4)
+                    assert pa.split_config(head_dim, 16, group, dtype, hopper) == dict(PAGES_PER_STEP=4, num_warps=4)
 
 
 def test_emulation_drives_the_launchers_choice(monkeypatch):

@@ -6,11 +6,11 @@ import torch
 
 from lessonlib import ops, reference
 from lessonlib.kv_cache import PagedKVCache
-from lessonlib.ops.flash_attention import supported_dtypes
+from lessonlib.ops.flash_attention import flash_attention_dtypes
 from tests.conftest import DEVICE, randn
 
 
-FLASH_DTYPES = supported_dtypes()
+FLASH_DTYPES = flash_attention_dtypes()
 
 
 def grad(t):

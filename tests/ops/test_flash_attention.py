@@ -2,11 +2,11 @@ import pytest
 import torch
 
 from lessonlib import ops, reference, runtime
-from lessonlib.ops.flash_attention import forward_config, supported_dtypes
+from lessonlib.ops.flash_attention import forward_config, flash_attention_dtypes
 from lessonlib.testing import attention_allowance, check_attention, check_close, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
-FA_DTYPES = supported_dtypes()
+FA_DTYPES = flash_attention_dtypes()
 
 
 @pytest.fixture(params=FA_DTYPES, ids=lambda d: str(d).removeprefix("torch."))

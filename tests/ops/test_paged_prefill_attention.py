@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from lessonlib import ops, reference
-from lessonlib.ops.flash_attention import supported_dtypes
+from lessonlib.ops.flash_attention import flash_attention_dtypes
 from lessonlib.testing import attention_allowance, check_close, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
@@ -45,7 +45,7 @@ def test_paged_prefill_attention_matches_reference(seq_lens, new_tokens, heads, 
 
 
 def test_no_cached_prefix_is_flash_attention(dtype):
-    if dtype not in supported_dtypes():
+    if dtype not in flash_attention_dtypes():
         pytest.skip(f"flash_attention takes no {dtype} here (a GPU runs float32 products as TF32)")
     # With nothing cached, paged prefill is ordinary causal attention: the same as flash_attention on the gathered K/V.
     q, k_cache, v_cache, table, lens, starts = prefill_inputs([29], [29], 4, 2, 32, 16, dtype)
