@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lessonlib import runtime
+from lessonlib.results import Ceilings
 
 
 @dataclass(frozen=True)
@@ -164,20 +165,6 @@ def _native_stderr_silenced():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
-
-
-@dataclass(frozen=True)
-class Ceilings:
-    """The two numbers every kernel is judged against."""
-
-    bandwidth_gbs: float  # device-to-device copy, bytes read + written per second / 1e9
-    matmul_tflops: float  # GEMM in the course's dtype: bf16, or fp16 on a GPU without bf16 (runtime.dtype())
-    source: str  # "measured live on <GPU>" or the recorded run's provenance
-
-    @property
-    def ridge_intensity(self) -> float:
-        """FLOPs per byte above which an op is compute-bound."""
-        return self.matmul_tflops * 1e12 / (self.bandwidth_gbs * 1e9)
 
 
 def measure_ceilings(copy_bytes: int = 2 << 30, matmul_size: int = 8192) -> Ceilings:

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from lessonlib import plots, traffic
-from lessonlib.measure import Ceilings
+from lessonlib.results import Ceilings
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
