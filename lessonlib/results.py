@@ -184,6 +184,11 @@ def is_sweep(impl: str) -> bool:
     return impl not in IMPLS and bool(_SWEEP.match(impl)) and "=" in impl
 
 
+def sweep_settings(impl: str) -> dict[str, int]:
+    """The settings a one-kernel sweep point's impl names: ``{"num_splits": 8, "num_warps": 8}``."""
+    return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", impl)}
+
+
 class UnknownLabel(ValueError):
     """A record names an op or impl that this module does not declare."""
 
