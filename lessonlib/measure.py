@@ -200,8 +200,14 @@ def compare_bandwidth(impls: dict, *args, nbytes: int) -> dict[str, float]:
     return out
 
 
-def time_copy(nbytes: int) -> Timing:
-    """A device-to-device copy that reads nbytes / 2 and writes nbytes / 2: what moving those bytes costs at best."""
+def copy_call(nbytes: int):
+    """A device-to-device copy that reads nbytes / 2 and writes nbytes / 2, as a call to time: what moving those
+    bytes costs at best (the benchmarks' "copy (same bytes)" peer)."""
     src = torch.empty(nbytes // 4, dtype=torch.float16, device=runtime.device()).normal_()
     dst = torch.empty_like(src)
-    return time_fn(dst.copy_, src)
+    return lambda: dst.copy_(src)
+
+
+def time_copy(nbytes: int) -> Timing:
+    """The time of :func:`copy_call`'s copy of ``nbytes``."""
+    return time_fn(copy_call(nbytes))
