@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: E402
 from lessonlib import bench, ops, reference, runtime  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
 from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
-from lessonlib.measure import gbps, time_copy, warm_up_gpu  # noqa: E402
+from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op, sweep_label  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
@@ -117,11 +117,9 @@ def store_kv_case(run, smoke):
         assert torch.equal(k_cache.reshape(-1, kv_heads, head_dim)[slots], k_new)
 
     nbytes = 2 * 2 * k_new.numel() * k_new.element_size()  # K and V, each read once and written once
-    src = torch.empty(nbytes // 4, dtype=torch.float16, device=runtime.device()).normal_()
-    dst = torch.empty_like(src)
     peers = {Impl.LESSONLIB: lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots, validate=False),
              Impl.SLOTS_VALIDATED: lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots),
-             Impl.COPY: lambda: dst.copy_(src)}
+             Impl.COPY: copy_call(nbytes)}
     shape = {"T": tokens, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
     return Case(Op.STORE_KV, shape, peers, check, nbytes, graphed=(Impl.LESSONLIB, Impl.COPY))
 
