@@ -70,22 +70,29 @@ class Run:
         self.notes: dict = {}
         self.command = " ".join(["python", *sys.argv])
 
-    def record(self, op: str, impl: str, shape: dict, us: float | None, nbytes: int | None = None,
-               flops: float | None = None, **fields) -> dict:
-        """Store one measurement (``us`` None: it failed, ``error`` says why) and print its progress line."""
-        rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(self.dtype).removeprefix("torch."),
-               "us": None if us is None else round(us, 3)}
-        if nbytes is not None and us is not None:
-            rec["bytes"], rec["gbps"] = nbytes, round(nbytes / (us * 1e-6) / 1e9, 1)
-        if flops is not None and us is not None:
-            rec["tflops"] = float(f"{flops / (us * 1e-6) / 1e12:.4g}")
-        rec.update(fields)
+    def add(self, op: str, impl: str, shape: dict, **fields) -> dict:
+        """Store one record (its labels checked against lessonlib.results) and print its progress line."""
+        rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(self.dtype).removeprefix("torch."), **fields}
         check_labels([rec], f"{self.benchmark} benchmark")
         self.records.append(rec)
-        rate = f"{rec['gbps']:8.0f} GB/s" if "gbps" in rec else f"{rec['tflops']:8.1f} TFLOP/s" if "tflops" in rec else ""
-        time = "-" if us is None else f"{us:10.2f} us"
-        print(f"[{len(self.records):4d}] {op:16s} {impl:40s} {str(shape):56s} {time} {rate}", flush=True)
+        us = fields.get("us")
+        time = f"{us:10.2f} us" if us is not None else "-" if "us" in fields else ""
+        rate = (f"{rec['gbps']:8.0f} GB/s" if "gbps" in rec else f"{rec['tflops']:8.1f} TFLOP/s" if "tflops" in rec
+                else "")
+        rest = {k: v for k, v in fields.items() if k not in ("us", "bytes", "gbps", "tflops")}
+        print(f"[{len(self.records):4d}] {op:16s} {impl:40s} {str(shape):56s} {time} {rate} {rest or ''}", flush=True)
         return rec
+
+    def record(self, op: str, impl: str, shape: dict, us: float | None, nbytes: int | None = None,
+               flops: float | None = None, **fields) -> dict:
+        """Store one timing (``us`` None: it failed, ``error`` says why), with GB/s from ``nbytes`` and TFLOP/s
+        from ``flops``."""
+        timed = {"us": None if us is None else round(us, 3)}
+        if nbytes is not None and us is not None:
+            timed["bytes"], timed["gbps"] = nbytes, round(nbytes / (us * 1e-6) / 1e9, 1)
+        if flops is not None and us is not None:
+            timed["tflops"] = float(f"{flops / (us * 1e-6) / 1e12:.4g}")
+        return self.add(op, impl, shape, **timed, **fields)
 
     def measure(self, op: str, impl: str, shape: dict, fn, nbytes: int | None = None, flops: float | None = None,
                 timer=time_fn, may_fail: bool = False, graph: bool | None = None, **fields) -> dict:
