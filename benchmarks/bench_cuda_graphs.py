@@ -90,7 +90,7 @@ def decode_step_cases(run, layer, hidden, heads, shapes):
 def main():
     args = bench.parse_args(__doc__, "bench_cuda_graphs.py")
     smoke = args.smoke
-    run = bench.Run(Benchmark.CUDA_GRAPHS, smoke=smoke)
+    run = bench.Run(Benchmark.CUDA_GRAPHS, smoke=smoke, check_only=args.check)
     warm_up_gpu()
     hidden, inter = SMOKE_MLP_SIZES if smoke else MLP_SIZES
     mlp = reference.GatedMLP(hidden, inter, device=runtime.device(), dtype=run.dtype)

@@ -192,7 +192,7 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
 def main():
     args = bench.parse_args(__doc__, "bench_engine.py")
     dtype = runtime.dtype(cpu=torch.float32)
-    run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, dtype=dtype)
+    run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
     warm_up_gpu()
     folder = Path(tempfile.mkdtemp(prefix="bench-engine-", dir=runtime.scratch_dir()))
@@ -225,6 +225,8 @@ def benchmark(run, out, folder, started):
         return random_prompts(batch, prompt_len, config.vocab_size, generator)
 
     run.notes["checks"] = check_engines(engines, path, low_model, prompts(min(8, max(batches))), new_tokens)
+    if run.check_only:
+        return
     time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tokens, started)
     ceilings = {}
     if runtime.on_gpu():

@@ -288,7 +288,7 @@ def forced_backend_error() -> dict:
 def main():
     args = bench.parse_args(__doc__, "bench_flash_attention.py")
     smoke = args.smoke
-    run = bench.Run(Benchmark.FLASH_ATTENTION, smoke=smoke)
+    run = bench.Run(Benchmark.FLASH_ATTENTION, smoke=smoke, check_only=args.check)
     warm_up_gpu()
     implementations = peers()
     shapes = SMOKE_SHAPES if smoke else TARGETS + N_SWEEP

@@ -300,7 +300,7 @@ def main():
     args = bench.parse_args(__doc__, "bench_fusion.py")
     smoke = args.smoke
     torch._dynamo.config.cache_size_limit = 64  # one compiled graph per (op, T): no silent fallback to eager
-    run = bench.Run(Benchmark.FUSION, smoke=smoke)
+    run = bench.Run(Benchmark.FUSION, smoke=smoke, check_only=args.check)
     sizes, heads = (SMOKE_SIZES, SMOKE_ROPE_HEADS) if smoke else (SIZES, ROPE_HEADS)
     check_ops(run.dtype, *sizes)
     nan = float("nan")
@@ -314,8 +314,9 @@ def main():
     run.cases(rope_cases(run.dtype, heads, SMOKE_ROPE_TOKENS if smoke else ROPE_TOKENS))
     with torch.no_grad():
         run.cases(gated_mlp_cases(run.dtype, sizes, SMOKE_MLP_TOKENS if smoke else MLP_TOKENS))
-    run.notes["launch_counts"] = launch_counts(run.dtype, sizes, heads, 16 if smoke else 128)
-    if runtime.on_gpu():
+    if not run.check_only:
+        run.notes["launch_counts"] = launch_counts(run.dtype, sizes, heads, 16 if smoke else 128)
+    if runtime.on_gpu() and not run.check_only:
         run.notes["register_pressure"] = register_pressure(run.dtype)
     run.save(args.out, ceilings)
 

@@ -129,7 +129,7 @@ def recorded_value(op, shape, impl, metric, per_call):
 
 
 def main():
-    args = bench.parse_args(__doc__.splitlines()[0], "bench_headline.py")
+    args = bench.parse_args(__doc__.splitlines()[0], "bench_headline.py", checkable=False)  # checks and times at once
     run = bench.Run(Benchmark.HEADLINE, smoke=args.smoke)
     warm_up_gpu()
     cases_per_benchmark = ((fusion_cases, False), (flash_cases, False), (paged_cases, False), (read_cases, False),

@@ -126,7 +126,7 @@ def store_kv_case(run, smoke):
 
 def main():
     args = bench.parse_args(__doc__, "bench_paged_attention.py")
-    run = bench.Run(Benchmark.PAGED_ATTENTION, smoke=args.smoke)
+    run = bench.Run(Benchmark.PAGED_ATTENTION, smoke=args.smoke, check_only=args.check)
     warm_up_gpu()
     run.cases(paged_attention_cases(run, args.smoke))
     run.cases([store_kv_case(run, args.smoke)])

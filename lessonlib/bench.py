@@ -42,16 +42,22 @@ class Case:
     graphed: tuple[str, ...] | None = None  # peers also timed replayed from a CUDA graph (others: graph_us None)
 
 
-def parse_args(doc: str, script: str, **extra_flags) -> argparse.Namespace:
-    """``--out FILE`` and ``--smoke`` (tiny sizes, any mode: tests the script); without a GPU only ``--smoke``."""
+def parse_args(doc: str, script: str, checkable: bool = True) -> argparse.Namespace:
+    """``--out FILE``; ``--smoke`` (tiny sizes, any mode: tests the script); ``--check`` (``--smoke``'s cases
+    checked against float64, nothing timed or written). Without a GPU only ``--smoke`` and ``--check`` run."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="results file to write (JSON)")
+    parser.add_argument("--out", help="results file to write (JSON)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    for flag, help_text in extra_flags.items():
-        parser.add_argument(f"--{flag.replace('_', '-')}", action="store_true", help=help_text)
+    if checkable:
+        parser.add_argument("--check", action="store_true",
+                            help="only the correctness checks, at --smoke's sizes: nothing timed, no file written")
     args = parser.parse_args()
+    args.check = checkable and args.check
+    args.smoke = args.smoke or args.check
+    if args.out is None and not args.check:
+        parser.error("--out is required (except with --check)")
     if not args.smoke and not runtime.on_gpu():
-        sys.exit(f"{script} needs a GPU (use --smoke to test the script on CPU)")
+        sys.exit(f"{script} needs a GPU (use --smoke or --check to test the script on CPU)")
     return args
 
 
@@ -63,8 +69,9 @@ def _error(error: BaseException) -> str:
 class Run:
     """One benchmark run: its records and notes, a progress line per record, and the file with its provenance."""
 
-    def __init__(self, benchmark: str, smoke: bool = False, dtype: torch.dtype | None = None):
-        self.benchmark, self.smoke = benchmark, smoke
+    def __init__(self, benchmark: str, smoke: bool = False, dtype: torch.dtype | None = None,
+                 check_only: bool = False):
+        self.benchmark, self.smoke, self.check_only = benchmark, smoke, check_only
         self.dtype = dtype or runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and the interpreter
         self.records: list[dict] = []
         self.notes: dict = {}
@@ -115,17 +122,24 @@ class Run:
         return self.record(op, impl, shape, us, nbytes, flops, **fields)
 
     def cases(self, cases, timer=time_fn) -> None:
-        """Each case: its check, then each peer timed."""
+        """Each case: its check, then each peer timed (not with ``check_only``: the labels alone are checked)."""
         for case in cases:
             if case.check is not None:
                 case.check()
+            if self.check_only:
+                check_labels([{"op": case.op, "impl": impl} for impl in case.peers], f"{self.benchmark} benchmark")
+                print(f"checked {case.op} {case.shape}: {', '.join(case.peers)}", flush=True)
+                continue
             for impl, fn in case.peers.items():
                 graph = None if case.graphed is None else impl in case.graphed
                 self.measure(case.op, impl, case.shape, fn, case.nbytes, case.flops, timer,
                              may_fail=impl in case.may_fail, graph=graph, **case.fields)
 
-    def save(self, path, ceilings: Ceilings | dict, environment_extra: dict | None = None) -> Path:
-        """Write the results file: the records, the notes, and the run's provenance."""
+    def save(self, path, ceilings: Ceilings | dict, environment_extra: dict | None = None) -> Path | None:
+        """Write the results file: the records, the notes, and the run's provenance (with ``check_only``: nothing)."""
+        if self.check_only:
+            print(f"{self.benchmark}: every case checked; nothing timed, no file written")
+            return None
         if isinstance(ceilings, Ceilings):
             ceilings = {"bandwidth_gbs": round(ceilings.bandwidth_gbs, 1),
                         "matmul_tflops": round(ceilings.matmul_tflops, 1)}
