@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt
 from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import SamplingParams, Sequence
-from lessonlib.plots import figure, finish
+from lessonlib.plots import IMPL_COLORS, figure, finish
 from lessonlib.results import Op
 
 
@@ -110,7 +110,7 @@ def plot_recorded(results, axes=None):
     for i, impl in enumerate(impls):
         values = [next((r["tokens_per_s"] for r in generate if r["impl"] == impl and r["shape"]["batch"] == b), 0)
                   for b in batches]
-        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl)
+        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl, color=IMPL_COLORS[impl])
     limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
     if limit and 1 in batches:  # the weights read once per step: a bound at batch 1 only (more rows share the read)
         at = batches.index(1)
