@@ -13,7 +13,6 @@ Every path is checked against the eager result first. ``--smoke`` runs tiny size
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -21,95 +20,86 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lessonlib import reference, runtime  # noqa: E402
+from lessonlib import bench, reference, runtime  # noqa: E402
+from lessonlib.bench import Case  # noqa: E402
+from lessonlib.cuda_graphs import Graphed, launch_modes  # noqa: E402
 from lessonlib.decoder import DecoderLayer, next_token_inputs  # noqa: E402
 from lessonlib.kv_cache import PagedKVCache  # noqa: E402
 from lessonlib.measure import count_launches, time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+
+MLP_SIZES, SMOKE_MLP_SIZES = (4096, 14336), (64, 128)  # hidden, intermediate
+MLP_TOKENS, SMOKE_MLP_TOKENS = (1, 8, 128, 2048), (1, 8)
+HEADS, SMOKE_HEADS = (32, 8, 128), (4, 2, 16)  # query heads, KV heads, head_dim
+STEP_SHAPES = [(1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192)]  # (batch, context)
+SMOKE_STEP_SHAPES = [(1, 40), (2, 40)]
+BLOCK_SIZE = 16
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    args = parser.parse_args()
-    gpu = runtime.on_gpu()
-    if not args.smoke and not gpu:
-        sys.exit("bench_cuda_graphs.py needs a GPU (use --smoke to test the script on CPU)")
-    device = runtime.device()
-    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
-    records, notes = [], {}
-    warm_up_gpu()
+def same(name, got, want):
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
 
-    def record(op, impl, shape, us, **extra):
-        records.append({"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
-                        "us": round(us, 3), **extra})
-        print(f"{op:14s} {impl:34s} {str(shape):44s} {us:10.2f} us {extra or ''}", flush=True)
 
-    def same(name, got, want):
-        torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+def pool_mb(fn) -> dict:
+    return {"pool_mb": round(fn.pool_bytes / 2**20, 1)} if isinstance(fn, Graphed) else {}
 
-    hidden, inter = (64, 128) if args.smoke else (4096, 14336)
-    mlp = reference.GatedMLP(hidden, inter, device=device, dtype=dtype)
-    compiled = {"torch.compile": torch.compile(mlp), "torch.compile reduce-overhead": torch.compile(mlp, mode="reduce-overhead")} \
-        if gpu else {}
-    with torch.inference_mode():
-        for tokens in ((1, 8) if args.smoke else (1, 8, 128, 2048)):
-            x = torch.randn(tokens, hidden, device=device, dtype=dtype)
-            want = mlp(x)
-            shape = {"T": tokens, "H": hidden, "I": inter}
-            record("gated_mlp", "eager", shape, time_fn(mlp, x).median_us)
-            for name, fn in compiled.items():
-                same(name, fn(x), want)
-                record("gated_mlp", name, shape, time_fn(fn, x).median_us)
-            if gpu:
-                from lessonlib.cuda_graphs import Graphed
 
-                graphed = Graphed(mlp, x.clone())
-                same("graph", graphed(x), want)
-                record("gated_mlp", "CUDA graph (by hand)", shape, time_fn(graphed, x).median_us,
-                       pool_mb=round(graphed.pool_bytes / 2**20, 1))
+def gated_mlp_cases(run, mlp, hidden, inter, token_counts):
+    """The GatedMLP launched each of lesson 05's four ways (cuda_graphs.launch_modes), each checked against eager."""
+    modes = launch_modes(mlp)
+    for tokens in token_counts:
+        x = torch.randn(tokens, hidden, device=runtime.device(), dtype=run.dtype)
+        want = mlp(x)
+        for impl, fn in modes(x).items():
+            yield Case(Op.GATED_MLP, {"T": tokens, "H": hidden, "I": inter}, {impl: lambda fn=fn: fn(x)},
+                       lambda fn=fn, impl=impl: same(impl, fn(x), want), fields=pool_mb(fn))
 
-    heads, kv_heads, head_dim = (4, 2, 16) if args.smoke else (32, 8, 128)
-    layer = DecoderLayer(hidden, heads, kv_heads, head_dim, inter, device=device, dtype=dtype)
-    block_size = 16
-    for batch, context in ([(1, 40), (2, 40)] if args.smoke else [(1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192)]):
-        max_blocks = -(-(context + 64) // block_size)
-        cache = PagedKVCache(batch * max_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+
+def decode_step_cases(run, layer, hidden, heads, shapes):
+    """One decoder layer's decode step: plain PyTorch, lessonlib's fused kernels, the fused step graph-replayed."""
+    heads, kv_heads, head_dim = heads
+    for batch, context in shapes:
+        max_blocks = -(-(context + 64) // BLOCK_SIZE)
+        cache = PagedKVCache(batch * max_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=run.dtype,
+                             device=runtime.device())
         seqs = list(range(batch))
         for seq in seqs:
             cache.add_sequence(seq)
-            cache.append(seq, torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype),
-                         torch.randn(context, kv_heads, head_dim, device=device, dtype=dtype))
-        x = torch.randn(batch, hidden, device=device, dtype=dtype)
+            cache.append(seq, torch.randn(context, kv_heads, head_dim, device=runtime.device(), dtype=run.dtype),
+                         torch.randn(context, kv_heads, head_dim, device=runtime.device(), dtype=run.dtype))
+        x = torch.randn(batch, hidden, device=runtime.device(), dtype=run.dtype)
         inputs = next_token_inputs(cache, seqs, x, torch.zeros_like(x), max_blocks)
         shape = {"B": batch, "context": context, "H": hidden, "heads": heads, "kv_heads": kv_heads, "D": head_dim}
-        with torch.inference_mode():
-            want, _ = layer.step(inputs, cache.k_cache, cache.v_cache)
-            got, _ = layer.fused_step(inputs, cache.k_cache, cache.v_cache)
-            same("fused step", got, want)
-            steps = {"eager PyTorch step": layer.step, "lessonlib fused step": layer.fused_step}
-            for name, step in steps.items():
-                launches = count_launches(step, inputs, cache.k_cache, cache.v_cache).total
-                record("decode_step", name, shape, time_fn(step, inputs, cache.k_cache, cache.v_cache).median_us,
-                       launches=launches)
-            if gpu:
-                from lessonlib.cuda_graphs import Graphed
+        want, _ = layer.step(inputs, cache.k_cache, cache.v_cache)
+        for impl, step in {Impl.EAGER_STEP: layer.step, Impl.FUSED_STEP: layer.fused_step}.items():
+            yield Case(Op.DECODE_STEP, shape, {impl: lambda step=step: step(inputs, cache.k_cache, cache.v_cache)},
+                       lambda step=step, impl=impl: same(impl, step(inputs, cache.k_cache, cache.v_cache)[0], want),
+                       fields={"launches": count_launches(step, inputs, cache.k_cache, cache.v_cache).total})
+        if runtime.on_gpu():
+            # Only the fused step is graph-safe: the plain step's reference.paged_attention reads each seq_len
+            # on the host (int(seq_lens[b])), a device sync, which capture forbids.
+            static = list(vars(inputs).values())
+            graphed = Graphed(lambda *t: layer.fused_step(type(inputs)(*t), cache.k_cache, cache.v_cache),
+                              *[t.clone() for t in static])
+            yield Case(Op.DECODE_STEP, shape, {Impl.FUSED_STEP_GRAPH: lambda: graphed(*static)},
+                       lambda: same("graphed fused step", graphed(*static)[0], want),
+                       fields={**pool_mb(graphed),  # the same kernels, one launch call:
+                               "launches": count_launches(graphed.graph.replay).total})
 
-                # Only the fused step is graph-safe: the plain step's reference.paged_attention reads each seq_len
-                # on the host (int(seq_lens[b])), a device sync, which capture forbids.
-                static = list(vars(inputs).values())
 
-                def run(*tensors):
-                    return layer.fused_step(type(inputs)(*tensors), cache.k_cache, cache.v_cache)
-
-                graphed = Graphed(run, *[t.clone() for t in static])
-                same("graphed fused step", graphed(*static)[0], want)
-                record("decode_step", "lessonlib fused step, CUDA graph", shape, time_fn(graphed, *static).median_us,
-                       pool_mb=round(graphed.pool_bytes / 2**20, 1),
-                       launches=count_launches(graphed.graph.replay).total)  # the same kernels, one launch call
-    results = Results("cuda_graphs", " ".join(["python", *sys.argv]), environment(), {}, records, notes)
-    print("wrote", results.save(args.out))
+def main():
+    args = bench.parse_args(__doc__, "bench_cuda_graphs.py")
+    smoke = args.smoke
+    run = bench.Run(Benchmark.CUDA_GRAPHS, smoke=smoke, check_only=args.check)
+    warm_up_gpu()
+    hidden, inter = SMOKE_MLP_SIZES if smoke else MLP_SIZES
+    mlp = reference.GatedMLP(hidden, inter, device=runtime.device(), dtype=run.dtype)
+    heads = SMOKE_HEADS if smoke else HEADS
+    layer = DecoderLayer(hidden, *heads, inter, device=runtime.device(), dtype=run.dtype)
+    with torch.inference_mode():
+        run.cases(gated_mlp_cases(run, mlp, hidden, inter, SMOKE_MLP_TOKENS if smoke else MLP_TOKENS))
+        run.cases(decode_step_cases(run, layer, hidden, heads, SMOKE_STEP_SHAPES if smoke else STEP_SHAPES))
+    run.save(args.out, {})
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ time minus the graph's GPU time) against the step's bytes-read limit (weights + 
 
 from __future__ import annotations
 
-import argparse
 import shutil
 import sys
 import tempfile
@@ -30,12 +29,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lessonlib import ops, runtime  # noqa: E402
+from lessonlib import bench, ops, runtime  # noqa: E402
 from lessonlib.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
 from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
 from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
 from lessonlib.testing import tolerance  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -191,129 +190,128 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="a tiny model, any mode: tests this script")
-    args = parser.parse_args()
-    gpu = runtime.on_gpu()
-    if not args.smoke and not gpu:
-        sys.exit("bench_engine.py needs a GPU (use --smoke to test the script on CPU)")
-    smoke = args.smoke
+    args = bench.parse_args(__doc__, "bench_engine.py")
     dtype = runtime.dtype(cpu=torch.float32)
+    run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
     warm_up_gpu()
     folder = Path(tempfile.mkdtemp(prefix="bench-engine-", dir=runtime.scratch_dir()))
     try:
-        run(args, folder, smoke, gpu, dtype, started)
+        benchmark(run, args.out, folder, started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the 1B checkpoint is 2.5 GB
 
 
-def run(args, folder, smoke, gpu, dtype, started):
-    dtype_name = str(dtype).removeprefix("torch.")
-    prompt_len, new_tokens = (8, 3) if smoke else (128, 128)
-    batches = (2,) if smoke else (1, 8, 32)
-    records, notes = [], {"prompt_tokens": prompt_len, "new_tokens": new_tokens}
+def benchmark(run, out, folder, started):
+    prompt_len, new_tokens = (8, 3) if run.smoke else (128, 128)
+    batches = (2,) if run.smoke else (1, 8, 32)
+    run.notes.update({"prompt_tokens": prompt_len, "new_tokens": new_tokens})
     generator = torch.Generator().manual_seed(0)
-
-    def record(op, impl, shape, **fields):
-        records.append({"op": op, "impl": impl, "shape": shape, "dtype": dtype_name, **fields})
-        print(f"{op:22s} {impl:40s} {str(shape):42s} {fields}", flush=True)
-
-    path = build_checkpoint(folder, TINY if smoke else LLAMA_1B, dtype)
+    path = build_checkpoint(folder, TINY if run.smoke else LLAMA_1B, run.dtype)
     config = ModelConfig.from_folder(path)
-    weight_bytes = config.weight_bytes(torch.empty((), dtype=dtype).element_size())
-    notes["model"] = {"shape": TINY if smoke else LLAMA_1B, "weight_bytes": weight_bytes,
-                      "weights": "random (torch.manual_seed(0)), transformers' LlamaConfig defaults otherwise"}
+    weight_bytes = config.weight_bytes(torch.empty((), dtype=run.dtype).element_size())
+    run.notes["model"] = {"shape": TINY if run.smoke else LLAMA_1B, "weight_bytes": weight_bytes,
+                          "weights": "random (torch.manual_seed(0)), transformers' LlamaConfig defaults otherwise"}
     max_len = prompt_len + new_tokens + 16
-    engines = {"lessonlib engine, CUDA graphs": LLM(path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_len)}
-    engines["lessonlib engine, eager"] = LLM(path, dtype=dtype, max_num_seqs=max(batches), max_model_len=max_len,
-                                             enforce_eager=True)
-    if not engines["lessonlib engine, CUDA graphs"].cuda_graphs:
-        del engines["lessonlib engine, CUDA graphs"]  # on CPU: no graphs, the two engines would be one
+    engines = {Impl.ENGINE_GRAPHS: LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len)}
+    engines[Impl.ENGINE_EAGER] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
+                                     enforce_eager=True)
+    if not engines[Impl.ENGINE_GRAPHS].cuda_graphs:
+        del engines[Impl.ENGINE_GRAPHS]  # on CPU: no graphs, the two engines would be one
     print(f"built and loaded in {time.perf_counter() - started:.0f} s", flush=True)
+    low_model = hf_model(path, run.dtype)
 
-    # --- checks ---------------------------------------------------------------------------------------------------
-    low_model = hf_model(path, dtype)
+    def prompts(batch):
+        return random_prompts(batch, prompt_len, config.vocab_size, generator)
+
+    run.notes["checks"] = check_engines(engines, path, low_model, prompts(min(8, max(batches))), new_tokens)
+    if run.check_only:
+        return
+    time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tokens, started)
+    ceilings = {}
+    if runtime.on_gpu():
+        ceilings = measure_ceilings()
+        middle = prompt_len + new_tokens // 2  # the context in the middle of a run
+        step_parts(run, engines, config, weight_bytes, ceilings.bandwidth_gbs * 1e9, batches, middle)
+    run.notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
+    run.notes["seconds"] = round(time.perf_counter() - started, 1)
+    run.save(out, ceilings)
+
+
+def check_engines(engines, path, low_model, check_prompts, new_tokens) -> dict:
+    """Each engine's logits against transformers in float64, and its greedy tokens against transformers in bf16."""
     truth_model = hf_model(path, torch.float64)
-    check_prompts = random_prompts(min(8, max(batches)), prompt_len, config.vocab_size, generator)
-    notes["checks"] = {}
+    checks = {}
     for name, llm in engines.items():
         report = check_logits(llm, truth_model, low_model, check_prompts, min(CHECK_STEPS, new_tokens))
         ours, _ = engine_generate(llm, check_prompts, new_tokens)
         theirs, _ = hf_generate(low_model, check_prompts, new_tokens)
         allowed = max(s["allowed"] for s in report["per_step"])
         report["greedy_tokens"] = first_divergence(ours, theirs, check_prompts, truth_model, allowed)
-        notes["checks"][name] = report
+        checks[name] = report
         errors = ", ".join(f"{s['max_error']:.3g} <= {s['allowed']:.3g}" for s in report["per_step"])
         greedy = report["greedy_tokens"]
         print(f"check {name}: logits {'passed' if report['passed'] else 'FAILED'} ({errors}); greedy tokens: "
               f"{greedy['identical']}/{len(check_prompts)} identical, divergences {greedy['diverged']}", flush=True)
     del truth_model
-    if gpu:
+    if runtime.on_gpu():
         torch.cuda.empty_cache()
+    return checks
 
-    # --- tokens/s ---------------------------------------------------------------------------------------------------
-    peers = {"transformers generate (dynamic cache, eager)": lambda p: hf_generate(low_model, p, new_tokens)}
-    if gpu:
-        peers["transformers generate (static cache, compiled)"] = lambda p: hf_generate(low_model, p, new_tokens, True)
+
+def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tokens, started):
+    """tokens/s of every peer at each batch size, then the engines' own decode-step times from their step logs."""
+    peers = {Impl.HF_DYNAMIC: lambda p: hf_generate(low_model, p, new_tokens)}
+    if runtime.on_gpu():
+        peers[Impl.HF_STATIC] = lambda p: hf_generate(low_model, p, new_tokens, True)
     for name, llm in engines.items():
         peers[name] = lambda p, llm=llm: engine_generate(llm, p, new_tokens)
     for batch in batches:
         shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
-        for name, run in peers.items():
+        for name, generate in peers.items():
             warm_start = time.perf_counter()
             try:
-                run(random_prompts(batch, prompt_len, config.vocab_size, generator))  # compiles at this shape
+                generate(prompts(batch))  # compiles at this shape
                 warm_up_s = time.perf_counter() - warm_start
-                _, seconds = run(random_prompts(batch, prompt_len, config.vocab_size, generator))
+                _, seconds = generate(prompts(batch))
             except Exception as e:  # a peer that fails here (e.g. a compile error) is recorded, not fatal
-                notes.setdefault("failures", []).append({"impl": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]})
+                run.notes.setdefault("failures", []).append(
+                    {"impl": name, "batch": batch, "error": f"{type(e).__name__}: {e}"[:500]})
                 print(f"FAILED {name} at batch {batch}: {type(e).__name__}: {e}", flush=True)
                 continue
-            record("generate", name, shape, seconds=round(seconds, 4),
-                   tokens_per_s=round(batch * new_tokens / seconds, 1), warm_up_s=round(warm_up_s, 1),
-                   elapsed_s=round(time.perf_counter() - started, 1))
+            run.add(Op.GENERATE, name, shape, seconds=round(seconds, 4),
+                    tokens_per_s=round(batch * new_tokens / seconds, 1), warm_up_s=round(warm_up_s, 1),
+                    elapsed_s=round(time.perf_counter() - started, 1))
         # The engine's own step log of the timed run: decode steps' mean wall time.
         for name, llm in engines.items():
             decode = [s.seconds for s in llm.steps if s.kind == "decode"]
             prefill = [s.seconds for s in llm.steps if s.kind == "prefill"]
-            if decode and not any(f["impl"] == name and f["batch"] == batch for f in notes.get("failures", [])):
-                record("engine_steps", name, shape, decode_step_us=round(1e6 * sum(decode) / len(decode), 1),
-                       prefill_us=round(1e6 * sum(prefill), 1), decode_steps=len(decode))
+            if decode and not any(f["impl"] == name and f["batch"] == batch for f in run.notes.get("failures", [])):
+                run.add(Op.ENGINE_STEPS, name, shape, decode_step_us=round(1e6 * sum(decode) / len(decode), 1),
+                        prefill_us=round(1e6 * sum(prefill), 1), decode_steps=len(decode))
 
-    # --- one decode step, part by part, against its bytes-read limit -----------------------------------------------
-    if gpu:
-        ceilings = measure_ceilings()
-        bandwidth = ceilings.bandwidth_gbs * 1e9
-        notes["weight_read_limit_tokens_per_s_batch_1"] = round(bandwidth / weight_bytes, 1)
-        llm = engines.get("lessonlib engine, CUDA graphs") or next(iter(engines.values()))
-        context = prompt_len + new_tokens // 2  # the middle of a run
-        element = torch.empty((), dtype=dtype).element_size()
-        for batch in batches:
-            shape = {"batch": batch, "context": context}
-            parts = step_breakdown(llm, batch, context)
-            kv_bytes = 2 * batch * context * config.num_layers * config.num_kv_heads * config.head_dim * element
-            step_bytes = weight_bytes + kv_bytes
-            step_us = next((r["decode_step_us"] for r in records if r["op"] == "engine_steps"
-                            and r["impl"] == "lessonlib engine, CUDA graphs" and r["shape"]["batch"] == batch), None)
-            host_us = step_us - parts["whole step"] - parts["sampling (greedy)"] if step_us is not None else None
-            for part, us in parts.items():
-                record("decode_step_part", "lessonlib engine", shape, part=part, us=round(us, 2))
-            if host_us is not None:
-                record("decode_step_part", "lessonlib engine", shape, part="host", us=round(host_us, 2),
-                       note="engine decode step (wall, CUDA graphs, mean over the timed run) minus the GPU time of the whole "
-                       "step and of sampling: scheduling, input preparation, launches, the sync for the tokens")
-            record("decode_step_limit", "bytes read at copy bandwidth", shape, us=round(step_bytes / bandwidth * 1e6, 2),
-                   bytes=step_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
-        results = Results("engine", " ".join(["python", *sys.argv]), environment(),
-                          {"bandwidth_gbs": round(ceilings.bandwidth_gbs, 1),
-                           "matmul_tflops": round(ceilings.matmul_tflops, 1)}, records, notes)
-    else:
-        results = Results("engine", " ".join(["python", *sys.argv]), environment(), {}, records, notes)
-    notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
-    notes["seconds"] = round(time.perf_counter() - started, 1)
-    print("wrote", results.save(args.out), f"in {notes['seconds']} s")
+
+def step_parts(run, engines, config, weight_bytes, bandwidth, batches, context):
+    """One decode step (in the middle of a run), part by part, against its bytes-read limit (GPU only)."""
+    run.notes["weight_read_limit_tokens_per_s_batch_1"] = round(bandwidth / weight_bytes, 1)
+    llm = engines.get(Impl.ENGINE_GRAPHS) or next(iter(engines.values()))
+    element = torch.empty((), dtype=run.dtype).element_size()
+    for batch in batches:
+        shape = {"batch": batch, "context": context}
+        parts = step_breakdown(llm, batch, context)
+        kv_bytes = 2 * batch * context * config.num_layers * config.num_kv_heads * config.head_dim * element
+        step_bytes = weight_bytes + kv_bytes
+        step_us = next((r["decode_step_us"] for r in run.records if r["op"] == Op.ENGINE_STEPS
+                        and r["impl"] == Impl.ENGINE_GRAPHS and r["shape"]["batch"] == batch), None)
+        host_us = step_us - parts["whole step"] - parts["sampling (greedy)"] if step_us is not None else None
+        for part, us in parts.items():
+            run.add(Op.DECODE_STEP_PART, Impl.ENGINE, shape, part=part, us=round(us, 2))
+        if host_us is not None:
+            run.add(Op.DECODE_STEP_PART, Impl.ENGINE, shape, part="host", us=round(host_us, 2),
+                    note="engine decode step (wall, CUDA graphs, mean over the timed run) minus the GPU time of the "
+                    "whole step and of sampling: scheduling, input preparation, launches, the sync for the tokens")
+        run.add(Op.DECODE_STEP_LIMIT, Impl.WEIGHT_READ_LIMIT, shape, us=round(step_bytes / bandwidth * 1e6, 2),
+                bytes=step_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
 
 
 if __name__ == "__main__":

@@ -9,63 +9,94 @@ a bounded sweep of the forward kernel's tile configurations at the two target sh
 (one query over a long KV sequence) as GB/s of K and V read, and the real error SDPA raises when a backend is forced
 onto inputs it cannot take. Every lessonlib case is checked against the float64 reference first.
 
-Where the forward's time goes: ``_forward_variant_kernel`` is a copy of lessonlib's forward loop (non-causal, whole
-tiles) with one thing changed per variant, timed at the non-causal target shapes beside the unchanged copy (which
-must match lessonlib's own time): the matrix products alone (no softmax: timing only, not attention), rescaling only
-when a row's maximum grew by more than 2^8 (FlashAttention-4's trick), and exp2 in 16 bits (twice the elements per
-special-function instruction).
+Where the forward's time goes: ``_forward_variant_kernel`` runs lessonlib's forward loop (non-causal, whole tiles:
+``_attend_tiles`` itself, called, not copied) or that loop with one thing changed per variant, timed at the
+non-causal target shapes beside lessonlib's own kernel (which the unchanged loop must match): the matrix products
+alone (no softmax: timing only, not attention), rescaling only when a row's maximum grew by more than 2^8
+(FlashAttention-4's trick), and exp2 in 16 bits (twice the elements per special-function instruction).
 ``--smoke`` runs tiny sizes in any mode (it tests this script).
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
-from lessonlib import ops, reference, runtime  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, sdpa  # noqa: E402
 
 runtime.mode()  # chosen before the kernel below is defined
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from lessonlib.ops.flash_attention import backward, backward_config, forward_config  # noqa: E402
-from lessonlib.measure import gbps, time_copy, time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.bench import Case  # noqa: E402
+from lessonlib.measure import gbps, measure_ceilings, time_copy, warm_up_gpu  # noqa: E402
+from lessonlib.ops.flash_attention import _attend_tiles, backward, backward_config, forward_config  # noqa: E402
+from lessonlib.results import (SDPA_BACKEND_IMPLS, Benchmark, Impl, Op, kernels_sweep_label,  # noqa: E402
+                               sweep_label)
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
-SDPA_BACKENDS = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION")
+# (batch, heads, N, head_dim, causal): the target shapes, then N swept for the notebook's plot (B·N = 16k tokens).
+TARGETS = [(2, 32, 4096, 128, False), (2, 32, 4096, 128, True), (4, 16, 2048, 64, True)]
+N_SWEEP = [(max(1, 16384 // n), 32, n, 128, causal) for n in (512, 1024, 2048, 4096, 8192, 16384)
+           for causal in (False, True)]
+SMOKE_SHAPES = [(1, 2, 40, 32, False), (1, 2, 40, 32, True), (2, 2, 64, 16, True)]
+NAIVE_BACKWARD_MAX_N = 4096  # naive's backward keeps the score matrix and its gradient: beyond, it only measures OOM
+# A bounded sweep of the kernels' tiles at the target shapes (ops.flash_attention's and backward's config=).
+FORWARD_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
+    (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3))]
+SMOKE_FORWARD_CONFIGS = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)]
+BACKWARD_CONFIGS = [{"dkdv": dict(BLOCK_M=mk, BLOCK_N=nk, num_warps=w, num_stages=st),
+                     "dq": dict(BLOCK_M=mq, BLOCK_N=nq, num_warps=w, num_stages=st)}
+                    for (mk, nk), (mq, nq), w, st in (((32, 64), (64, 32), 4, 3), ((32, 64), (64, 32), 4, 2),
+                                                      ((32, 128), (128, 32), 8, 3), ((64, 128), (128, 64), 8, 2))]
+VARIANT_SHAPES, SMOKE_VARIANT_SHAPES = [(2, 32, 4096, 128), (4, 16, 2048, 64)], [(1, 2, 64, 32)]
+DECODE_SHAPES = [(32, 32, n, 128) for n in (1024, 4096, 16384)]  # (batch, heads, KV length, head_dim)
+SMOKE_DECODE_SHAPES = [(2, 4, 64, 32)]
 
-
-FORWARD_VARIANTS = {0: "loop copy, unchanged", 1: "matrix products alone (no softmax)",
-                    2: "lazy rescale (FlashAttention-4)", 3: "exp2 in 16 bits"}
+FORWARD_VARIANTS = {0: Impl.LOOP_COPY, 1: Impl.MATMULS_ONLY, 2: Impl.LAZY_RESCALE, 3: Impl.EXP2_16BIT}
 
 
 @triton.jit
 def _forward_variant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, stride_n, qk_scale, VARIANT: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """lessonlib's forward loop for (B*H, N, D) inputs with row stride ``stride_n`` (a run-time value, as in
-    lessonlib), non-causal, N a multiple of both tiles, with one change per VARIANT (see FORWARD_VARIANTS).
-    Variant 1 computes no attention: it is there to be timed."""
+    """lessonlib's forward for (B*H, N, D) inputs with row stride ``stride_n`` (a run-time value, as in lessonlib),
+    non-causal, N a multiple of both tiles: VARIANT 0 runs lessonlib's own loop (``_attend_tiles``), the others
+    :func:`_changed_tiles` (see FORWARD_VARIANTS). Variant 1 computes no attention: it is there to be timed."""
     start_m = tl.program_id(0) * BLOCK_M
     base = tl.program_id(1).to(tl.int64) * n * stride_n
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + base + offs_m[:, None] * stride_n + offs_d[None, :])
-    k_tile = offs_n[None, :] * stride_n + offs_d[:, None]
-    v_tile = offs_n[:, None] * stride_n + offs_d[None, :]
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if VARIANT == 0:
+        acc, m_i, l_i = _attend_tiles(acc, m_i, l_i, q, k_ptr + base, v_ptr + base, stride_n, stride_n, start_m, 0,
+                                      n, n, 0, qk_scale, False, False, BLOCK_M, BLOCK_N, HEAD_DIM)
+    else:
+        acc, m_i, l_i = _changed_tiles(acc, m_i, l_i, q, k_ptr + base, v_ptr + base, stride_n, n, qk_scale, VARIANT,
+                                       BLOCK_N, HEAD_DIM)
+    if VARIANT != 1:
+        acc = acc / l_i[:, None]
+    tl.store(out_ptr + base + offs_m[:, None] * stride_n + offs_d[None, :], acc.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _changed_tiles(acc, m_i, l_i, q, k_base, v_base, stride_n, n, qk_scale, VARIANT: tl.constexpr,
+                   BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """``_attend_tiles``' unmasked loop with one change per VARIANT (1, 2, 3). The loop itself is repeated here
+    because Triton cannot pass a changed loop body into a jitted function: only the lines under each VARIANT differ."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_tile = offs_n[None, :] * stride_n + offs_d[:, None]
+    v_tile = offs_n[:, None] * stride_n + offs_d[None, :]
     for start_n in range(0, n, BLOCK_N):
-        s = tl.dot(q, tl.load(k_ptr + base + tl.cast(start_n, tl.int64) * stride_n + k_tile))
-        v = tl.load(v_ptr + base + tl.cast(start_n, tl.int64) * stride_n + v_tile)
+        s = tl.dot(q, tl.load(k_base + tl.cast(start_n, tl.int64) * stride_n + k_tile))
+        v = tl.load(v_base + tl.cast(start_n, tl.int64) * stride_n + v_tile)
         if VARIANT == 1:
             acc = tl.dot(s.to(v.dtype), v, acc)
         elif VARIANT == 2:
@@ -80,17 +111,12 @@ def _forward_variant_kernel(q_ptr, k_ptr, v_ptr, out_ptr, n, stride_n, qk_scale,
             acc = tl.dot(p.to(v.dtype), v, acc)
         else:
             m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-            if VARIANT == 3:
-                p = _exp2_16bit(s * qk_scale - m_new[:, None], v.dtype)
-            else:
-                p = tl.math.exp2(s * qk_scale - m_new[:, None])
+            p = _exp2_16bit(s * qk_scale - m_new[:, None], v.dtype)
             alpha = tl.math.exp2(m_i - m_new)
             l_i = l_i * alpha + tl.sum(p.to(tl.float32), 1)
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
-    if VARIANT != 1:
-        acc = acc / l_i[:, None]
-    tl.store(out_ptr + base + offs_m[:, None] * stride_n + offs_d[None, :], acc.to(out_ptr.dtype.element_ty))
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -123,25 +149,18 @@ def forward_flops(batch, heads, n_q, n_kv, head_dim, causal):
     return flops / 2 if causal else flops
 
 
-def sdpa_with(backend: str | None):
-    """SDPA forced onto one backend (None: PyTorch's own choice)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    def run(q, k, v, causal):
-        if backend is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-        with sdpa_kernel([getattr(SDPBackend, backend)]):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
-
-
-def lessonlib_attention(q, k, v, causal, **kwargs):
-    return ops.flash_attention(q, k, v, causal=causal, **kwargs)
-
-
-def naive_attention(q, k, v, causal):
-    return reference.attention(q, k, v, causal=causal)
+def peers():
+    """Every implementation timed: lessonlib, naive attention, and SDPA forced onto each backend (on CPU: SDPA as
+    PyTorch chooses)."""
+    found = {Impl.LESSONLIB: lambda q, k, v, causal, **kw: ops.flash_attention(q, k, v, causal=causal, **kw),
+             Impl.NAIVE: lambda q, k, v, causal: reference.attention(q, k, v, causal=causal)}
+    if not runtime.on_gpu():
+        return {**found, Impl.SDPA: lambda q, k, v, causal: sdpa.scaled_dot_product_attention(q, k, v, causal)}
+    for backend in sdpa.BACKENDS:
+        if backend in SDPA_BACKEND_IMPLS:
+            found[SDPA_BACKEND_IMPLS[backend]] = lambda q, k, v, causal, b=backend: sdpa.scaled_dot_product_attention(
+                q, k, v, causal, backends=(b,))
+    return found
 
 
 def backward_of(fn, q, k, v, causal):
@@ -152,162 +171,141 @@ def backward_of(fn, q, k, v, causal):
     return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    args = parser.parse_args()
-    if not args.smoke and not runtime.on_gpu():
-        sys.exit("bench_flash_attention.py needs a GPU (use --smoke to test the script on CPU)")
-    device = runtime.device()
-    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
-    records, notes = [], {}
-    warm_up_gpu()
+def inputs(run, batch, heads, n, head_dim, n_q=None):
+    """q (n_q rows, default n), k, v, and their first batch entry's first two heads: the slice checked in float64
+    (the float64 scores of every head would cost 10s of GB)."""
+    def randn(rows):
+        return torch.randn(batch, heads, rows, head_dim, device=runtime.device(), dtype=torch.float32).to(run.dtype)
 
-    def record(op, impl, shape, us, **extra):
-        rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
-               "us": None if us is None else round(us, 3), **extra}
-        records.append(rec)
-        shown = "   " + ", ".join(f"{k}={v}" for k, v in extra.items())
-        print(f"{op:14s} {impl:34s} {str(shape):70s} {'-' if us is None else f'{us:10.1f} us'}{shown}", flush=True)
+    q, k, v = randn(n if n_q is None else n_q), randn(n), randn(n)
+    return q, k, v, (q[:1, :2], k[:1, :2], v[:1, :2])
 
-    def randn(*shape):
-        return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
-    peers = {"lessonlib": lessonlib_attention, "naive": naive_attention}
-    if runtime.on_gpu():
-        peers.update({f"SDPA {b.split('_')[0].lower()}": sdpa_with(b) for b in SDPA_BACKENDS})
-    else:
-        peers["SDPA"] = sdpa_with(None)
+def _error(error):
+    return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
 
-    def measure(op, impl, fn, shape, flops):
-        try:
-            us = time_fn(fn).median_us
-        except (torch.OutOfMemoryError, RuntimeError) as error:  # naive at long N; a backend refusing a shape
-            if isinstance(error, RuntimeError) and "out of memory" not in str(error).lower() and impl == "lessonlib":
-                raise
-            record(op, impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-            torch.cuda.empty_cache() if runtime.on_gpu() else None
-            return
-        record(op, impl, shape, us, tflops=float(f"{flops / (us * 1e-6) / 1e12:.4g}"))
 
-    # The target shapes, then a sweep of N for the notebook's plot (B·N kept at 16k tokens).
-    targets = [(2, 32, 4096, 128, False), (2, 32, 4096, 128, True), (4, 16, 2048, 64, True)]
-    sweep = [(max(1, 16384 // n), 32, n, 128, causal) for n in (512, 1024, 2048, 4096, 8192, 16384) for causal in (False, True)]
-    cases = [(1, 2, 40, 32, False), (1, 2, 40, 32, True), (2, 2, 64, 16, True)] if args.smoke else targets + sweep
-    for batch, heads, n, head_dim, causal in dict.fromkeys(cases):
-        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
-        one = (q[:1, :2], k[:1, :2], v[:1, :2])  # correctness on a slice: float64 scores of every head cost 10s of GB
-        check_close("flash_attention", ops.flash_attention(*one, causal=causal),
-                    reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal))
+def speed_cases(run, shapes, implementations):
+    """Forward, then backward, of every implementation at each shape; lessonlib checked against float64 first."""
+    for batch, heads, n, head_dim, causal in dict.fromkeys(shapes):
+        q, k, v, one = inputs(run, batch, heads, n, head_dim)
         shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
         flops = forward_flops(batch, heads, n, n, head_dim, causal)
-        for impl, fn in peers.items():
-            measure("forward", impl, lambda fn=fn: fn(q, k, v, causal), shape, flops)
-        for impl, fn in peers.items():
-            if impl == "naive" and n > 4096:
-                continue  # its backward keeps the score matrix and its gradient: beyond this it only measures OOM
+        failing = tuple(i for i in implementations if i != Impl.LESSONLIB)  # out of memory, or a backend refusing
+
+        def check(one=one, causal=causal):
+            check_close("flash_attention", ops.flash_attention(*one, causal=causal),
+                        reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal))
+
+        timed = {impl: (lambda fn=fn: fn(q, k, v, causal)) for impl, fn in implementations.items()}
+        yield Case(Op.FORWARD, shape, timed, check, flops=flops, may_fail=failing)
+        for impl, fn in implementations.items():
+            if impl == Impl.NAIVE and n > NAIVE_BACKWARD_MAX_N:
+                continue
             try:
                 closure = backward_of(fn, q, k, v, causal)
             except (torch.OutOfMemoryError, RuntimeError) as error:
-                record("backward", impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
+                run.record(Op.BACKWARD, impl, shape, None, error=_error(error))
                 continue
-            measure("backward", impl, closure, shape, 2.5 * flops)
+            yield Case(Op.BACKWARD, shape, {impl: closure}, flops=2.5 * flops, may_fail=failing)
             del closure
         del q, k, v
 
-    # A bounded sweep of the kernels' tiles at the target shapes: every configuration checked, then recorded.
-    forward_configs = [dict(BLOCK_M=16, BLOCK_N=16, num_warps=1)] if args.smoke else [
-        dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-        for bm, bn, w, st in ((64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3),
-                              (64, 128, 4, 3))]
-    backward_configs = [backward_config(32)] if args.smoke else [
-        {"dkdv": dict(BLOCK_M=mk, BLOCK_N=nk, num_warps=w, num_stages=st),
-         "dq": dict(BLOCK_M=mq, BLOCK_N=nq, num_warps=w, num_stages=st)}
-        for (mk, nk), (mq, nq), w, st in (((32, 64), (64, 32), 4, 3), ((32, 64), (64, 32), 4, 2),
-                                          ((32, 128), (128, 32), 8, 3), ((64, 128), (128, 64), 8, 2))]
-    for batch, heads, n, head_dim, causal in (cases[:2] if args.smoke else targets):
-        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
-        one = (q[:1, :2], k[:1, :2], v[:1, :2])
+
+def tile_sweep_cases(run, shapes, forward_configs, backward_configs):
+    """The kernels' tile configurations at the target shapes: each forward configuration checked, then timed."""
+    for batch, heads, n, head_dim, causal in shapes:
+        q, k, v, one = inputs(run, batch, heads, n, head_dim)
         truth, low = reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal)
         shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
         flops = forward_flops(batch, heads, n, n, head_dim, causal)
-        for config in forward_configs:
-            label = "lessonlib " + " ".join(f"{k}={v}" for k, v in config.items())
-            check_close(f"flash_attention {label}", ops.flash_attention(*one, causal=causal, config=config), truth, low)
-            measure("forward", label, lambda c=config: ops.flash_attention(q, k, v, causal=causal, config=c), shape,
-                    flops)
-        scale = head_dim ** -0.5
-        out, lse = ops.flash_attention(q, k, v, causal=causal, return_lse=True)
-        grad = torch.randn_like(out)
-        for config in backward_configs:
-            label = "lessonlib " + " | ".join(f"{kernel} " + " ".join(f"{k}={v}" for k, v in c.items())
-                                               for kernel, c in config.items())
-            measure("backward", label, lambda c=config: backward(q, k, v, out, lse, grad, causal, scale, config=c),
-                    shape, 2.5 * flops)
-        del q, k, v, out, lse, grad
-    notes["default_configs"] = {f"D={d}": {"forward": forward_config(d), "backward": backward_config(d)}
-                                for d in (64, 128)}
 
-    # Where the forward's time goes: the loop copied, changed one way at a time, at the non-causal target shapes.
-    variant_cases = [(1, 2, 64, 32)] if args.smoke else [(2, 32, 4096, 128), (4, 16, 2048, 64)]
+        def check(one=one, causal=causal, truth=truth, low=low):
+            for config in forward_configs:
+                check_close(f"flash_attention {sweep_label(config)}",
+                            ops.flash_attention(*one, causal=causal, config=config), truth, low)
+
+        timed = {sweep_label(c): (lambda c=c: ops.flash_attention(q, k, v, causal=causal, config=c))
+                 for c in forward_configs}
+        yield Case(Op.FORWARD, shape, timed, check, flops=flops)
+        out, lse = ops.flash_attention(q, k, v, causal=causal, return_lse=True)
+        grad, scale = torch.randn_like(out), head_dim ** -0.5
+        yield Case(Op.BACKWARD, shape, {kernels_sweep_label(c): (
+            lambda c=c: backward(q, k, v, out, lse, grad, causal, scale, config=c)) for c in backward_configs},
+            flops=2.5 * flops)
+        del q, k, v, out, lse, grad
+
+
+def variant_cases(run, shapes):
+    """Where the forward's time goes: lessonlib's loop, and that loop changed one way at a time (non-causal)."""
     # Variant 3's inline PTX: ex2.approx.ftz.bf16x2 exists from sm_90 only (ptxas refuses it on an A100 or L4),
     # ex2.approx.f16x2 from sm_75. The interpreter runs no inline PTX.
     profile = runtime.gpu_profile()
-    has_ex2_16x2 = profile is not None and profile.arch >= (90 if dtype == torch.bfloat16 else 75)
+    has_ex2_16x2 = profile is not None and profile.arch >= (90 if run.dtype == torch.bfloat16 else 75)
     variants = [0, 1, 2] + ([3] if has_ex2_16x2 else [])
-    for batch, heads, n, head_dim in variant_cases:
-        q, k, v = randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
+    for batch, heads, n, head_dim in shapes:
+        q, k, v, one = inputs(run, batch, heads, n, head_dim)
         shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": False}
-        flops = forward_flops(batch, heads, n, n, head_dim, False)
-        one = (q[:1, :2], k[:1, :2], v[:1, :2])
         truth, low = reference.attention(*to_float64(*one)), reference.attention(*one)
-        measure("forward variant", "lessonlib", lambda: ops.flash_attention(q, k, v), shape, flops)  # beside its copy
-        for variant in variants:
-            if variant == 0:
-                check_close("forward variant 0", forward_variant(*one, 0), truth, low)
-            elif variant > 1:  # variant 1 is not attention; the others are timed whatever their error, and say it
+
+        def check(one=one, truth=truth, low=low, head_dim=head_dim):
+            check_close("forward variant 0", forward_variant(*one, 0), truth, low)
+            for variant in variants[2:]:  # variant 1 is not attention; 2 and 3 are timed whatever their error
                 try:
                     check_close(f"forward variant {variant}", forward_variant(*one, variant), truth, low)
-                    notes[f"forward variant {variant} check, D={head_dim}"] = "passed"
+                    run.notes[f"{Op.FORWARD_VARIANT} {variant} check, D={head_dim}"] = "passed"
                 except AssertionError as error:
-                    notes[f"forward variant {variant} check, D={head_dim}"] = str(error)
-            measure("forward variant", FORWARD_VARIANTS[variant], lambda i=variant: forward_variant(q, k, v, i),
-                    shape, flops)
+                    run.notes[f"{Op.FORWARD_VARIANT} {variant} check, D={head_dim}"] = str(error)
+
+        timed = {Impl.LESSONLIB: lambda: ops.flash_attention(q, k, v)}  # beside the loop it runs
+        timed.update({FORWARD_VARIANTS[i]: (lambda i=i: forward_variant(q, k, v, i)) for i in variants})
+        yield Case(Op.FORWARD_VARIANT, shape, timed, check,
+                   flops=forward_flops(batch, heads, n, n, head_dim, False))
         del q, k, v
 
-    # Decode: one query per sequence over its whole KV: the bytes of K and V are the time.
-    decode_cases = [(2, 4, 64, 32)] if args.smoke else [(32, 32, n, 128) for n in (1024, 4096, 16384)]
-    for batch, heads, n, head_dim in decode_cases:
-        q, k, v = randn(batch, heads, 1, head_dim), randn(batch, heads, n, head_dim), randn(batch, heads, n, head_dim)
-        nbytes = 2 * k.numel() * k.element_size()
-        shape = {"B": batch, "H": heads, "Nq": 1, "Nkv": n, "D": head_dim}
-        for impl, fn in peers.items():
-            try:
-                us = time_fn(lambda fn=fn: fn(q, k, v, False)).median_us
-            except RuntimeError as error:
-                record("decode", impl, shape, None, error=f"{type(error).__name__}: {str(error).splitlines()[0][:200]}")
-                continue
-            record("decode", impl, shape, us, gbps=float(f"{nbytes / (us * 1e-6) / 1e9:.4g}"))
 
-    # What SDPA says when a backend is forced onto inputs it cannot take (FlashAttention has no float32 kernel).
+def decode_cases(run, shapes, implementations):
+    """One query per sequence over its whole KV: the bytes of K and V are the time."""
+    for batch, heads, n, head_dim in shapes:
+        q, k, v, _ = inputs(run, batch, heads, n, head_dim, n_q=1)
+        yield Case(Op.DECODE, {"B": batch, "H": heads, "Nq": 1, "Nkv": n, "D": head_dim},
+                   {impl: (lambda fn=fn: fn(q, k, v, False)) for impl, fn in implementations.items()},
+                   nbytes=2 * k.numel() * k.element_size(), may_fail=tuple(implementations))
+
+
+def forced_backend_error() -> dict:
+    """What SDPA says when a backend is forced onto inputs it cannot take (FlashAttention has no float32 kernel)."""
+    q = torch.randn(1, 2, 64, 64, device=runtime.device())
+    try:
+        sdpa.scaled_dot_product_attention(q, q, q, False, backends=("FLASH_ATTENTION",))
+        error = "no error"
+    except RuntimeError as raised:
+        error = f"{type(raised).__name__}: {raised}"[:1500]
+    return {"forced_backend_error": error,
+            "forced_backend_case": "FLASH_ATTENTION forced on float32 inputs (1, 2, 64, 64)"}
+
+
+def main():
+    args = bench.parse_args(__doc__, "bench_flash_attention.py")
+    smoke = args.smoke
+    run = bench.Run(Benchmark.FLASH_ATTENTION, smoke=smoke, check_only=args.check)
+    warm_up_gpu()
+    implementations = peers()
+    shapes = SMOKE_SHAPES if smoke else TARGETS + N_SWEEP
+    run.cases(speed_cases(run, shapes, implementations))
+    run.cases(tile_sweep_cases(run, SMOKE_SHAPES[:2] if smoke else TARGETS,
+                               SMOKE_FORWARD_CONFIGS if smoke else FORWARD_CONFIGS,
+                               [backward_config(32)] if smoke else BACKWARD_CONFIGS))
+    run.notes["default_configs"] = {f"D={d}": {"forward": forward_config(d), "backward": backward_config(d)}
+                                    for d in (64, 128)}
+    run.cases(variant_cases(run, SMOKE_VARIANT_SHAPES if smoke else VARIANT_SHAPES))
+    run.cases(decode_cases(run, SMOKE_DECODE_SHAPES if smoke else DECODE_SHAPES, implementations))
     if runtime.on_gpu():
-        q = torch.randn(1, 2, 64, 64, device=device)
-        try:
-            sdpa_with("FLASH_ATTENTION")(q, q, q, False)
-            notes["forced_backend_error"] = "no error"
-        except RuntimeError as error:
-            notes["forced_backend_error"] = f"{type(error).__name__}: {error}"[:1500]
-        notes["forced_backend_case"] = "FLASH_ATTENTION forced on float32 inputs (1, 2, 64, 64)"
-
-    ceiling_bytes = 1 << (20 if args.smoke else 32)
-    ceilings = {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None}
-    if runtime.on_gpu():
-        from lessonlib.measure import measure_ceilings
-
-        ceilings = {"bandwidth_gbs": ceilings["bandwidth_gbs"], "matmul_tflops": round(measure_ceilings().matmul_tflops, 1)}
-    results = Results("flash_attention", " ".join(["python", *sys.argv]), environment(), ceilings, records, notes)
-    print("wrote", results.save(args.out))
+        run.notes.update(forced_backend_error())
+    ceiling_bytes = 1 << (20 if smoke else 32)
+    matmul = round(measure_ceilings().matmul_tflops, 1) if runtime.on_gpu() else None
+    bandwidth = round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1)
+    run.save(args.out, {"bandwidth_gbs": bandwidth, "matmul_tflops": matmul})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ Checks every op against its reference first (on the GPU, bf16 included), then ti
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -26,14 +25,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 import torch  # noqa: E402
 
-from lessonlib import ops, reference, runtime, traffic  # noqa: E402
-from lessonlib.measure import Ceilings, count_launches, measure_ceilings, time_copy, time_fn  # noqa: E402
-from lessonlib.ops.add_rms_norm import TWO_PASS_BLOCK, _add_rms_norm_kernel, add_rms_norm_backward  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
+from lessonlib.bench import Case  # noqa: E402
+from lessonlib.measure import Timing, copy_call, count_launches, measure_ceilings, time_fn  # noqa: E402
 from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for  # noqa: E402
-from lessonlib.ops.add_rms_norm import add_rms_norm_forward  # noqa: E402
+from lessonlib.ops.add_rms_norm import (TWO_PASS_BLOCK, add_rms_norm_backward, add_rms_norm_forward,  # noqa: E402
+                                        compiled_forward)
 from lessonlib.ops.swiglu import _swiglu_kernel, swiglu_backward, swiglu_forward  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.results import (FUSION_SWEEP_PREFIX, Benchmark, Ceilings, Impl, Op, Regime,  # noqa: E402
+                               sweep_label)
 from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64  # noqa: E402
+
+SIZES, SMOKE_SIZES = (8192, 4096, 14336), (16, 256, 384)  # tokens T, hidden H, intermediate I
+# The launchers' tuning knobs (their config=), each point checked against float64 before it is timed.
+SWIGLU_SWEEP = [dict(BLOCK=block, num_warps=warps) for block in (1024, 2048, 4096, 8192) for warps in (4, 8, 16)]
+ADD_RMS_NORM_WARPS = (1, 2, 4, 8, 16)
+PROGRAMS_PER_SM, SMOKE_PROGRAMS_PER_SM = (1, 2, 4, 8), (1, 2)
+TOKEN_COUNTS, SMOKE_TOKEN_COUNTS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192), (1, 4, 16)
+ROPE_HEADS, SMOKE_ROPE_HEADS = (32, 8, 128), (4, 2, 32)  # query heads, KV heads, head_dim
+ROPE_TOKENS, SMOKE_ROPE_TOKENS = (1, 128, 2048, 8192), (1, 16)
+MLP_TOKENS, SMOKE_MLP_TOKENS = (1, 128, 2048, 8192), (4,)
+REGISTER_ROWS, REGISTER_WIDTHS, REGISTER_WARPS = 8192, (4096, 8192, 16384, 32768, 65536), 16
 
 
 def randn(*shape, dtype):
@@ -68,242 +80,245 @@ def backward_only(fn, *args):
     return lambda: torch.autograd.grad(outs, inputs, grads, retain_graph=True)
 
 
-def per_call_us(fn, calls):
-    """Time per call when calls run back to back, as in a decode loop: launch overhead included."""
-    if not runtime.on_gpu():
-        return time_fn(fn).median_us
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    samples = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(calls):
+def per_call(calls):
+    """A timer: time per call when calls run back to back, as in a decode loop (launch overhead included)."""
+
+    def timer(fn) -> Timing:
+        if not runtime.on_gpu():
+            return time_fn(fn)
+        for _ in range(3):
             fn()
-        end.record()
         torch.cuda.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3 / calls)
-    return sorted(samples)[len(samples) // 2]
+        samples = []
+        for _ in range(5):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(calls):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            samples.append(start.elapsed_time(end) * 1e3 / calls)
+        return Timing(sorted(samples)[len(samples) // 2], on_gpu=True)
+
+    return timer
 
 
 def compiled(fn):
     return torch.compile(fn, dynamic=False) if runtime.on_gpu() else fn
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="results file to write (JSON)")
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    args = parser.parse_args()
-    smoke = args.smoke
-    if not smoke and not runtime.on_gpu():
-        sys.exit("bench_fusion.py needs a GPU (use --smoke to test the script on CPU)")
-    torch._dynamo.config.cache_size_limit = 64  # one compiled graph per (op, T): no silent fallback to eager
+def checked_configs(name, launcher, args, want, configs):
+    """A case's check: every configuration of a sweep against float64 (``want``: (exact, rounded) references)."""
 
-    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
-    itemsize = torch.tensor([], dtype=dtype).element_size()
-    dname = str(dtype).removeprefix("torch.")
-    T, H, I = (16, 256, 384) if smoke else (8192, 4096, 14336)
-    records, notes = [], {}
+    def check():
+        for config in configs:
+            got = launcher(*args, config=config)
+            check_close(f"{name} {config}", got[0] if isinstance(got, tuple) else got, *want)
 
-    def record(op, impl, shape, us, nbytes=None, **extra):
-        rec = {"op": op, "impl": impl, "shape": shape, "dtype": dname, "us": round(us, 3)}
-        if nbytes is not None:
-            rec["bytes"] = nbytes
-            rec["gbps"] = round(nbytes / (us * 1e-6) / 1e9, 1)
-        rec.update(extra)
-        records.append(rec)
-        print(f"{op:14s} {impl:28s} {str(shape):40s} {us:10.2f} us" + (f" {rec['gbps']:8.0f} GB/s" if nbytes else ""))
-        return rec
+    return check
 
-    check_ops(dtype, T, H, I)
 
-    # --- the two ceilings ------------------------------------------------------------------------------------
-    if runtime.on_gpu():
-        ceilings = measure_ceilings()
-    else:
-        ceilings = Ceilings(float("nan"), float("nan"), "not measured (smoke run)")
-    print(f"ceilings: copy {ceilings.bandwidth_gbs:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
-
-    # --- large T: bandwidth against the copy ceiling ---------------------------------------------------------
+def bandwidth_cases(dtype, sizes):
+    """Large T: each op's peers and its launcher's sweep, beside a copy of the same bytes."""
+    T, H, I = sizes
+    itemsize = dtype.itemsize
     gate, up = randn(T, I, dtype=dtype), randn(T, I, dtype=dtype)
-    sw_bytes = traffic.swiglu(T, I, itemsize).fused.bytes
-    shape = {"T": T, "I": I}
-    record("copy", "copy (same bytes)", shape, time_copy(sw_bytes).median_us, sw_bytes)
-    record("swiglu", "lessonlib", shape, time_fn(ops.swiglu, gate, up).median_us, sw_bytes)
-    record("swiglu", "eager", shape, time_fn(reference.swiglu, gate, up).median_us, sw_bytes)
-    record("swiglu", "torch.compile", shape, time_fn(compiled(reference.swiglu), gate, up).median_us, sw_bytes)
-    out = torch.empty_like(gate)
-    for block in (1024, 2048, 4096, 8192):
-        for warps in (4, 8, 16):
-            def run(block=block, warps=warps):
-                grid = (T * -(-I // block),)
-                _swiglu_kernel[grid](gate, up, out, I, I, I, I, BLOCK=block, num_warps=warps)
-            record("swiglu", f"sweep BLOCK={block} warps={warps}", shape, time_fn(run).median_us, sw_bytes, sweep=True)
-    del gate, up, out
-
+    shape, nbytes = {"T": T, "I": I}, traffic.swiglu(T, I, itemsize).fused.bytes
+    yield Case(Op.COPY, shape, {Impl.COPY: copy_call(nbytes)}, nbytes=nbytes)
+    yield Case(Op.SWIGLU, shape, {
+        Impl.LESSONLIB: lambda: ops.swiglu(gate, up), Impl.EAGER: lambda: reference.swiglu(gate, up),
+        Impl.COMPILE: (lambda f=compiled(reference.swiglu): f(gate, up))}, nbytes=nbytes)
+    yield Case(Op.SWIGLU, shape, {sweep_label({"BLOCK": c["BLOCK"], "warps": c["num_warps"]}, FUSION_SWEEP_PREFIX):
+                                  (lambda c=c: swiglu_forward(gate, up, config=c)) for c in SWIGLU_SWEEP},
+               checked_configs("swiglu", swiglu_forward, (gate, up), (reference.swiglu(*to_float64(gate, up)),
+                                                                      reference.swiglu(gate, up)), SWIGLU_SWEEP),
+               nbytes, fields={"sweep": True})
+    del gate, up
     x, res, w = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype), randn(H, dtype=dtype)
-    rn_bytes = traffic.add_rms_norm(T, H, itemsize).fused.bytes
-    shape = {"T": T, "H": H}
-    record("copy", "copy (same bytes)", shape, time_copy(rn_bytes).median_us, rn_bytes)
-    record("add_rms_norm", "lessonlib", shape, time_fn(ops.add_rms_norm, x, res, w).median_us, rn_bytes)
-    record("add_rms_norm", "eager", shape, time_fn(reference.add_rms_norm, x, res, w).median_us, rn_bytes)
-    record("add_rms_norm", "torch.compile", shape, time_fn(compiled(reference.add_rms_norm), x, res, w).median_us, rn_bytes)
-    out, res_out = torch.empty_like(x), torch.empty_like(x)
-    block = next_power_of_2(H)
-    for warps in (1, 2, 4, 8, 16):
-        def run(warps=warps):
-            _add_rms_norm_kernel[(T,)](x, res, w, out, res_out, H, H, H, 1e-6, BLOCK=block, ONE_PASS=True, num_warps=warps)
-        record("add_rms_norm", f"sweep warps={warps}", shape, time_fn(run).median_us, rn_bytes, sweep=True)
-    del x, res, w, out, res_out
+    shape, nbytes = {"T": T, "H": H}, traffic.add_rms_norm(T, H, itemsize).fused.bytes
+    yield Case(Op.COPY, shape, {Impl.COPY: copy_call(nbytes)}, nbytes=nbytes)
+    yield Case(Op.ADD_RMS_NORM, shape, {
+        Impl.LESSONLIB: lambda: ops.add_rms_norm(x, res, w), Impl.EAGER: lambda: reference.add_rms_norm(x, res, w),
+        Impl.COMPILE: (lambda f=compiled(reference.add_rms_norm): f(x, res, w))}, nbytes=nbytes)
+    configs = [dict(BLOCK=next_power_of_2(H), ONE_PASS=True, num_warps=warps) for warps in ADD_RMS_NORM_WARPS]
+    yield Case(Op.ADD_RMS_NORM, shape, {sweep_label({"warps": c["num_warps"]}, FUSION_SWEEP_PREFIX):
+                                        (lambda c=c: add_rms_norm_forward(x, res, w, config=c)) for c in configs},
+               checked_configs("add_rms_norm", add_rms_norm_forward, (x, res, w), (
+                   reference.add_rms_norm(*to_float64(x, res, w))[0], reference.add_rms_norm(x, res, w)[0]), configs),
+               nbytes, fields={"sweep": True})
 
-    # --- the backward: fused gradient kernels against eager autograd and torch.compile's backward ---------------
-    gate, up = randn(T, I, dtype=dtype), randn(T, I, dtype=dtype)
-    grad = randn(T, I, dtype=dtype)
-    shape = {"T": T, "I": I}
-    model = traffic.swiglu_backward(T, I, itemsize)
-    record("swiglu_backward", "lessonlib (kernel)", shape, time_fn(swiglu_backward, grad, gate, up).median_us,
-           model.fused.bytes)
-    for impl, fn in (("lessonlib (autograd)", ops.swiglu), ("eager", reference.swiglu),
-                     ("torch.compile", compiled(reference.swiglu))):
-        record("swiglu_backward", impl, shape, time_fn(backward_only(fn, gate, up)).median_us, model.fused.bytes,
-               eager_model_bytes=model.eager.bytes)
+
+def backward_cases(dtype, sizes, programs_per_sm):
+    """The fused gradient kernels against eager autograd and torch.compile's backward, the backward pass alone."""
+    T, H, I = sizes
+    itemsize = dtype.itemsize
+    gate, up, grad = randn(T, I, dtype=dtype), randn(T, I, dtype=dtype), randn(T, I, dtype=dtype)
+    shape, model = {"T": T, "I": I}, traffic.swiglu_backward(T, I, itemsize)
+    yield Case(Op.SWIGLU_BACKWARD, shape, {Impl.LESSONLIB_KERNEL: lambda: swiglu_backward(grad, gate, up)},
+               nbytes=model.fused.bytes)
+    yield Case(Op.SWIGLU_BACKWARD, shape, {impl: backward_only(fn, gate, up) for impl, fn in (
+        (Impl.LESSONLIB_AUTOGRAD, ops.swiglu), (Impl.EAGER, reference.swiglu),
+        (Impl.COMPILE, compiled(reference.swiglu)))},
+        nbytes=model.fused.bytes, fields={"eager_model_bytes": model.eager.bytes})
     del gate, up, grad
-
     x, res, w = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype), randn(H, dtype=dtype)
     grad, grad_res = randn(T, H, dtype=dtype), randn(T, H, dtype=dtype)
     _, h = add_rms_norm_forward(x, res, w)
     shape = {"T": T, "H": H}
-    programs_per_sm = (1, 2) if smoke else (1, 2, 4, 8)
     sms = runtime.gpu_profile().multiprocessors if runtime.on_gpu() else 2
-    default_model = traffic.add_rms_norm_backward(T, H, itemsize, programs=min(T, 2 * sms))
-    record("add_rms_norm_backward", "lessonlib (kernel)", shape,
-           time_fn(add_rms_norm_backward, grad, grad_res, h, w).median_us, default_model.fused.bytes)
+    model = traffic.add_rms_norm_backward(T, H, itemsize, programs=min(T, 2 * sms))
+    yield Case(Op.ADD_RMS_NORM_BACKWARD, shape, {
+        Impl.LESSONLIB_KERNEL: lambda: add_rms_norm_backward(grad, grad_res, h, w)}, nbytes=model.fused.bytes)
     for per_sm in programs_per_sm:
         programs = min(T, per_sm * sms)
-        model = traffic.add_rms_norm_backward(T, H, itemsize, programs=programs)
-        record("add_rms_norm_backward", f"sweep programs={per_sm} per SM", shape,
-               time_fn(lambda p=programs: add_rms_norm_backward(grad, grad_res, h, w, programs=p)).median_us,
-               model.fused.bytes, sweep=True)
-    for impl, fn in (("lessonlib (autograd)", ops.add_rms_norm), ("eager", reference.add_rms_norm),
-                     ("torch.compile", compiled(reference.add_rms_norm))):
-        record("add_rms_norm_backward", impl, shape, time_fn(backward_only(fn, x, res, w)).median_us,
-               default_model.fused.bytes, eager_model_bytes=default_model.eager.bytes)
-    del x, res, w, grad, grad_res, h
+        label = sweep_label({"programs": per_sm}, FUSION_SWEEP_PREFIX, " per SM")
+        yield Case(Op.ADD_RMS_NORM_BACKWARD, shape, {
+                   label: lambda p=programs: add_rms_norm_backward(grad, grad_res, h, w, programs=p)},
+                   nbytes=traffic.add_rms_norm_backward(T, H, itemsize, programs=programs).fused.bytes,
+                   fields={"sweep": True})
+    yield Case(Op.ADD_RMS_NORM_BACKWARD, shape, {impl: backward_only(fn, x, res, w) for impl, fn in (
+        (Impl.LESSONLIB_AUTOGRAD, ops.add_rms_norm), (Impl.EAGER, reference.add_rms_norm),
+        (Impl.COMPILE, compiled(reference.add_rms_norm)))},
+        nbytes=model.fused.bytes, fields={"eager_model_bytes": model.eager.bytes})
 
-    # --- small T: launch overhead ----------------------------------------------------------------------------
-    token_counts = (1, 4, 16) if smoke else (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+
+def per_call_cases(dtype, sizes, token_counts):
+    """Small T: time per call of back-to-back calls, where launch overhead, not bytes, is the time."""
+    _, H, I = sizes
     sw_compiled, rn_compiled = compiled(reference.swiglu), compiled(reference.add_rms_norm)
     for t in token_counts:
         gate, up = randn(t, I, dtype=dtype), randn(t, I, dtype=dtype)
         x, res, w = randn(t, H, dtype=dtype), randn(t, H, dtype=dtype), randn(H, dtype=dtype)
-        calls = 5 if smoke else 200
-        for impl, fn in (("lessonlib", ops.swiglu), ("eager", reference.swiglu), ("torch.compile", sw_compiled)):
-            record("swiglu", impl, {"T": t, "I": I}, per_call_us(lambda: fn(gate, up), calls),
-                   traffic.swiglu(t, I, itemsize).fused.bytes, regime="per call, back to back")
-        for impl, fn in (("lessonlib", ops.add_rms_norm), ("eager", reference.add_rms_norm), ("torch.compile", rn_compiled)):
-            record("add_rms_norm", impl, {"T": t, "H": H}, per_call_us(lambda: fn(x, res, w), calls),
-                   traffic.add_rms_norm(t, H, itemsize).fused.bytes, regime="per call, back to back")
+        yield Case(Op.SWIGLU, {"T": t, "I": I}, {impl: (lambda fn=fn: fn(gate, up)) for impl, fn in (
+            (Impl.LESSONLIB, ops.swiglu), (Impl.EAGER, reference.swiglu), (Impl.COMPILE, sw_compiled))},
+            nbytes=traffic.swiglu(t, I, dtype.itemsize).fused.bytes, fields={"regime": Regime.PER_CALL})
+        yield Case(Op.ADD_RMS_NORM, {"T": t, "H": H}, {impl: (lambda fn=fn: fn(x, res, w)) for impl, fn in (
+            (Impl.LESSONLIB, ops.add_rms_norm), (Impl.EAGER, reference.add_rms_norm), (Impl.COMPILE, rn_compiled))},
+            nbytes=traffic.add_rms_norm(t, H, dtype.itemsize).fused.bytes, fields={"regime": Regime.PER_CALL})
 
-    # --- where a decode-size call's time goes: validation, allocation, Triton's launch, the kernel -------------
+
+def launch_overhead_cases(dtype, sizes):
+    """Where a decode-size call's time goes: validation, allocation, Triton's launch, the kernel."""
+    _, H, I = sizes
     gate, up = randn(1, I, dtype=dtype), randn(1, I, dtype=dtype)
     out = torch.empty_like(gate)
     block = min(next_power_of_2(I), 2048)
-    calls = 5 if smoke else 1000
-    steps = {
-        "check_tensors only": lambda: check_tensors("swiglu", gate=gate, up=up),
-        "torch.empty only": lambda: torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
-        "bare Triton launch (inputs ready)": lambda: _swiglu_kernel[(-(-I // block),)](gate, up, out, I, I, I, I, BLOCK=block, num_warps=num_warps_for(block)),
-        "lessonlib.ops.swiglu": lambda: ops.swiglu(gate, up),
-        "swiglu_forward (the launcher alone)": lambda: swiglu_forward(gate, up),
-        "torch.ops.lessonlib.swiglu (custom op dispatch)": lambda: torch.ops.lessonlib.swiglu(gate, up),
-        "eager silu·mul": lambda: reference.swiglu(gate, up),
-    }
-    for impl, fn in steps.items():
-        record("launch_overhead", impl, {"T": 1, "I": I}, per_call_us(fn, calls), regime="per call, back to back")
+    grid = (-(-I // block),)
+    yield Case(Op.LAUNCH_OVERHEAD, {"T": 1, "I": I}, {
+        Impl.CHECK_TENSORS: lambda: check_tensors("swiglu", gate=gate, up=up),
+        Impl.TORCH_EMPTY: lambda: torch.empty(gate.shape, dtype=gate.dtype, device=gate.device),
+        # The private kernel on purpose: what Triton's launcher alone costs, with nothing of lessonlib around it.
+        Impl.BARE_LAUNCH: lambda: _swiglu_kernel[grid](gate, up, out, I, I, I, I, BLOCK=block,
+                                                       num_warps=num_warps_for(block)),
+        Impl.OPS_SWIGLU: lambda: ops.swiglu(gate, up),
+        Impl.SWIGLU_LAUNCHER: lambda: swiglu_forward(gate, up),
+        Impl.SWIGLU_CUSTOM_OP: lambda: torch.ops.lessonlib.swiglu(gate, up),
+        Impl.EAGER_SILU_MUL: lambda: reference.swiglu(gate, up),
+    }, fields={"regime": Regime.PER_CALL})
     x, res, w = randn(1, H, dtype=dtype), randn(1, H, dtype=dtype), randn(H, dtype=dtype)
-    for impl, fn in {"lessonlib.ops.add_rms_norm": lambda: ops.add_rms_norm(x, res, w),
-                     "add_rms_norm_forward (the launcher alone)": lambda: add_rms_norm_forward(x, res, w),
-                     "torch.ops.lessonlib.add_rms_norm (custom op dispatch)":
-                         lambda: torch.ops.lessonlib.add_rms_norm(x, res, w, 1e-6)}.items():
-        record("launch_overhead", impl, {"T": 1, "H": H}, per_call_us(fn, calls), regime="per call, back to back")
+    yield Case(Op.LAUNCH_OVERHEAD, {"T": 1, "H": H}, {
+        Impl.OPS_ADD_RMS_NORM: lambda: ops.add_rms_norm(x, res, w),
+        Impl.ADD_RMS_NORM_LAUNCHER: lambda: add_rms_norm_forward(x, res, w),
+        Impl.ADD_RMS_NORM_CUSTOM_OP: lambda: torch.ops.lessonlib.add_rms_norm(x, res, w, 1e-6),
+    }, fields={"regime": Regime.PER_CALL})
 
-    # --- apply_rope: Llama-8B-like attention shapes ----------------------------------------------------------
-    heads, kv_heads, head_dim = (4, 2, 32) if smoke else (32, 8, 128)
+
+def rope_cases(dtype, heads, token_counts):
+    """apply_rope at Llama-8B-like attention shapes."""
+    heads, kv_heads, head_dim = heads
     rope_compiled = compiled(reference.apply_rope)
-    for t in ((1, 16) if smoke else (1, 128, 2048, 8192)):
+    for t in token_counts:
         q, k = randn(1, heads, t, head_dim, dtype=dtype), randn(1, kv_heads, t, head_dim, dtype=dtype)
         cos, sin = reference.rope_cos_sin(torch.arange(t, device=runtime.device()), head_dim, dtype=dtype)
-        nbytes = traffic.apply_rope(1, heads, kv_heads, t, head_dim, itemsize).fused.bytes
-        shape = {"B": 1, "H": heads, "Hkv": kv_heads, "T": t, "D": head_dim}
-        for impl, fn in (("lessonlib", ops.apply_rope), ("eager", reference.apply_rope), ("torch.compile", rope_compiled)):
-            record("apply_rope", impl, shape, time_fn(fn, q, k, cos, sin).median_us, nbytes)
+        yield Case(Op.APPLY_ROPE, {"B": 1, "H": heads, "Hkv": kv_heads, "T": t, "D": head_dim},
+                   {impl: (lambda fn=fn: fn(q, k, cos, sin)) for impl, fn in (
+                       (Impl.LESSONLIB, ops.apply_rope), (Impl.EAGER, reference.apply_rope),
+                       (Impl.COMPILE, rope_compiled))},
+                   nbytes=traffic.apply_rope(1, heads, kv_heads, t, head_dim, dtype.itemsize).fused.bytes)
 
-    # --- the whole GatedMLP: fusion saves the elementwise part only ------------------------------------------
-    for t in ((4,) if smoke else (1, 128, 2048, 8192)):
+
+def gated_mlp_cases(dtype, sizes, token_counts):
+    """The whole GatedMLP, where fusion saves the elementwise part only (the GEMMs dominate)."""
+    _, H, I = sizes
+    for t in token_counts:
         mlp = reference.GatedMLP(H, I, device=runtime.device(), dtype=dtype)
-        fused = ops.FusedGatedMLP(mlp)
-        x = randn(t, H, dtype=dtype)
+        fused, x = ops.FusedGatedMLP(mlp), randn(t, H, dtype=dtype)
         shape = {"T": t, "H": H, "I": I}
-        flops = traffic.gated_mlp(t, H, I, itemsize).eager.flops
-        with torch.no_grad():
-            for impl, fn in (("eager", mlp), ("lessonlib (gate_up GEMM + swiglu)", fused), ("torch.compile", compiled(mlp))):
-                us = time_fn(fn, x).median_us
-                record("gated_mlp", impl, shape, us, tflops=round(flops / (us * 1e-6) / 1e12, 1))
-            gemm = randn(t, 2 * I, dtype=dtype)
-            g, u = gemm.chunk(2, dim=-1)
-            record("gated_mlp", "of which: swiglu kernel", shape, time_fn(ops.swiglu, g, u).median_us)
-            record("gated_mlp", "of which: eager silu·mul", shape, time_fn(reference.swiglu, g, u).median_us)
+        yield Case(Op.GATED_MLP, shape, {impl: (lambda fn=fn: fn(x)) for impl, fn in (
+            (Impl.EAGER, mlp), (Impl.FUSED_GATED_MLP, fused), (Impl.COMPILE, compiled(mlp)))},
+            flops=traffic.gated_mlp(t, H, I, dtype.itemsize).eager.flops)
+        g, u = randn(t, 2 * I, dtype=dtype).chunk(2, dim=-1)
+        yield Case(Op.GATED_MLP, shape, {Impl.SHARE_SWIGLU: lambda: ops.swiglu(g, u),
+                                         Impl.SHARE_EAGER_SILU_MUL: lambda: reference.swiglu(g, u)})
 
-    # --- launch counts ---------------------------------------------------------------------------------------
-    t = 16 if smoke else 128
+
+def launch_counts(dtype, sizes, heads, t):
+    """Kernel launches per call of each implementation, from torch.profiler: the run's notes["launch_counts"]."""
+    _, H, I = sizes
+    heads, kv_heads, head_dim = heads
     gate, up = randn(t, I, dtype=dtype), randn(t, I, dtype=dtype)
     x, res, w = randn(t, H, dtype=dtype), randn(t, H, dtype=dtype), randn(H, dtype=dtype)
     q, k = randn(1, heads, t, head_dim, dtype=dtype), randn(1, kv_heads, t, head_dim, dtype=dtype)
     cos, sin = reference.rope_cos_sin(torch.arange(t, device=runtime.device()), head_dim, dtype=dtype)
     mlp = reference.GatedMLP(H, I, device=runtime.device(), dtype=dtype)
+    calls = {Op.SWIGLU: (reference.swiglu, ops.swiglu, (gate, up)),
+             Op.ADD_RMS_NORM: (reference.add_rms_norm, ops.add_rms_norm, (x, res, w)),
+             Op.APPLY_ROPE: (reference.apply_rope, ops.apply_rope, (q, k, cos, sin)),
+             Op.GATED_MLP: (mlp, ops.FusedGatedMLP(mlp), (x,))}
     launches = {}
     with torch.no_grad():
-        for op, impls in {
-            "swiglu": {"eager": (reference.swiglu, (gate, up)), "lessonlib": (ops.swiglu, (gate, up)), "torch.compile": (sw_compiled, (gate, up))},
-            "add_rms_norm": {"eager": (reference.add_rms_norm, (x, res, w)), "lessonlib": (ops.add_rms_norm, (x, res, w)), "torch.compile": (rn_compiled, (x, res, w))},
-            "apply_rope": {"eager": (reference.apply_rope, (q, k, cos, sin)), "lessonlib": (ops.apply_rope, (q, k, cos, sin)), "torch.compile": (rope_compiled, (q, k, cos, sin))},
-            "gated_mlp": {"eager": (mlp, (x,)), "lessonlib": (ops.FusedGatedMLP(mlp), (x,)), "torch.compile": (compiled(mlp), (x,))},
-        }.items():
+        for op, (eager, fused, args) in calls.items():
             launches[op] = {}
-            for impl, (fn, fn_args) in impls.items():
-                count = count_launches(fn, *fn_args)
+            for impl, fn in ((Impl.EAGER, eager), (Impl.LESSONLIB, fused), (Impl.COMPILE, compiled(eager))):
+                count = count_launches(fn, *args)
                 launches[op][impl] = {"total": count.total, "kernels": dict(count.by_name)}
                 print(f"launches {op:14s} {impl:14s} {count.total}")
-    notes["launch_counts"] = {"T": t, "what": "GPU kernels per call, torch.profiler", "counts": launches}
+    return {"T": t, "what": "GPU kernels per call, torch.profiler", "counts": launches}
 
-    # --- register pressure: one program keeping a whole row in registers -------------------------------------
-    if runtime.on_gpu():
-        pressure = []
-        rows = 8192
-        for width in (4096, 8192, 16384, 32768, 65536):
-            x, res, w = randn(rows, width, dtype=dtype), randn(rows, width, dtype=dtype), randn(width, dtype=dtype)
-            out, res_out = torch.empty_like(x), torch.empty_like(x)
-            nbytes = traffic.add_rms_norm(rows, width, itemsize).fused.bytes
-            for one_pass, block in ((True, width), (False, TWO_PASS_BLOCK)):
-                def run(one_pass=one_pass, block=block):
-                    return _add_rms_norm_kernel[(rows,)](
-                        x, res, w, out, res_out, width, width, width, 1e-6, BLOCK=block, ONE_PASS=one_pass, num_warps=16)
-                kernel = run()
-                us = time_fn(run).median_us
-                entry = {"H": width, "one_pass": one_pass, "BLOCK": block, "num_warps": 16, "us": round(us, 2),
-                         "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
-                         "registers_per_thread": kernel.n_regs, "spilled_registers": kernel.n_spills}
-                pressure.append(entry)
-                print("register pressure", entry)
-            del x, res, w, out, res_out
-        notes["register_pressure"] = {"T": rows, "op": "add_rms_norm", "rows": pressure}
 
-    results = Results("fusion", " ".join(["python", *sys.argv]), environment(),
-                      {"bandwidth_gbs": round(ceilings.bandwidth_gbs, 1), "matmul_tflops": round(ceilings.matmul_tflops, 1)},
-                      records, notes)
-    print("wrote", results.save(args.out))
+def register_pressure(dtype, time=time_fn):
+    """add_rms_norm forced to keep ever wider rows in registers (one pass) or not (two passes): registers per
+    thread, spills, bandwidth (GPU only): the run's notes["register_pressure"]."""
+    rows, pressure = REGISTER_ROWS, []
+    for width in REGISTER_WIDTHS:
+        x, res, w = randn(rows, width, dtype=dtype), randn(rows, width, dtype=dtype), randn(width, dtype=dtype)
+        nbytes = traffic.add_rms_norm(rows, width, dtype.itemsize).fused.bytes
+        for one_pass, block in ((True, width), (False, TWO_PASS_BLOCK)):
+            config = dict(BLOCK=block, ONE_PASS=one_pass, num_warps=REGISTER_WARPS)
+            kernel = compiled_forward(x, res, w, config=config)
+            us = time(lambda c=config: add_rms_norm_forward(x, res, w, config=c)).median_us
+            entry = {"H": width, "one_pass": one_pass, "BLOCK": block, "num_warps": REGISTER_WARPS, "us": round(us, 2),
+                     "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
+                     "registers_per_thread": kernel.n_regs, "spilled_registers": kernel.n_spills}
+            pressure.append(entry)
+            print("register pressure", entry)
+        del x, res, w
+    return {"T": rows, "op": Op.ADD_RMS_NORM, "rows": pressure}
+
+
+def main():
+    args = bench.parse_args(__doc__, "bench_fusion.py")
+    smoke = args.smoke
+    torch._dynamo.config.cache_size_limit = 64  # one compiled graph per (op, T): no silent fallback to eager
+    run = bench.Run(Benchmark.FUSION, smoke=smoke, check_only=args.check)
+    sizes, heads = (SMOKE_SIZES, SMOKE_ROPE_HEADS) if smoke else (SIZES, ROPE_HEADS)
+    check_ops(run.dtype, *sizes)
+    nan = float("nan")
+    ceilings = measure_ceilings() if runtime.on_gpu() else Ceilings(nan, nan, "not measured (smoke run)")
+    print(f"ceilings: copy {ceilings.bandwidth_gbs:.0f} GB/s, bf16 matmul {ceilings.matmul_tflops:.0f} TFLOP/s")
+    run.cases(bandwidth_cases(run.dtype, sizes))
+    run.cases(backward_cases(run.dtype, sizes, SMOKE_PROGRAMS_PER_SM if smoke else PROGRAMS_PER_SM))
+    run.cases(per_call_cases(run.dtype, sizes, SMOKE_TOKEN_COUNTS if smoke else TOKEN_COUNTS),
+              timer=per_call(5 if smoke else 200))
+    run.cases(launch_overhead_cases(run.dtype, sizes), timer=per_call(5 if smoke else 1000))
+    run.cases(rope_cases(run.dtype, heads, SMOKE_ROPE_TOKENS if smoke else ROPE_TOKENS))
+    with torch.no_grad():
+        run.cases(gated_mlp_cases(run.dtype, sizes, SMOKE_MLP_TOKENS if smoke else MLP_TOKENS))
+    if not run.check_only:
+        run.notes["launch_counts"] = launch_counts(run.dtype, sizes, heads, 16 if smoke else 128)
+    if runtime.on_gpu() and not run.check_only:
+        run.notes["register_pressure"] = register_pressure(run.dtype)
+    run.save(args.out, ceilings)
 
 
 if __name__ == "__main__":

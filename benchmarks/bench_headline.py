@@ -12,7 +12,6 @@ sizes in any mode.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -20,17 +19,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lessonlib import ops, reference, results, runtime, sdpa  # noqa: E402
+from lessonlib import bench, ops, reference, results, runtime, sdpa  # noqa: E402
 from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.results import Benchmark, Impl, Op, Regime, recorded_name  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
 # (op, shape) of each benchmark's headline, and the committed file it is compared with.
-FUSION = [("swiglu", {"T": 8192, "I": 14336}), ("add_rms_norm", {"T": 8192, "H": 4096})]
+FUSION = [(Op.SWIGLU, {"T": 8192, "I": 14336}), (Op.ADD_RMS_NORM, {"T": 8192, "H": 4096})]
 FLASH = [{"B": 2, "H": 32, "N": 4096, "D": 128, "causal": False}, {"B": 2, "H": 32, "N": 4096, "D": 128, "causal": True},
          {"B": 4, "H": 16, "N": 2048, "D": 64, "causal": True}]
 PAGED = [{"B": 32, "context": 4096}, {"B": 1, "context": 32768}]
-PER_CALL = [("swiglu", {"T": 1, "I": 14336}), ("add_rms_norm", {"T": 1, "H": 4096})]
+PER_CALL = [(Op.SWIGLU, {"T": 1, "I": 14336}), (Op.ADD_RMS_NORM, {"T": 1, "H": 4096})]
 
 
 def randn(*shape, dtype):
@@ -40,7 +39,7 @@ def randn(*shape, dtype):
 def fusion_cases(dtype, smoke):
     for op, shape in FUSION:
         t, width = (8, 256) if smoke else (shape["T"], shape.get("I") or shape["H"])
-        if op == "swiglu":
+        if op == Op.SWIGLU:
             args = (randn(t, width, dtype=dtype), randn(t, width, dtype=dtype))
             nbytes = 3 * t * width * dtype.itemsize
         else:
@@ -50,8 +49,8 @@ def fusion_cases(dtype, smoke):
         for name, got, exact, rounded in zip(("out", "residual"), *(_tuple(f(*a)) for f, a in (
                 (fast, args), (ref, to_float64(*args)), (ref, args)))):
             check_close(f"{op} {name}", got, exact, rounded)
-        yield op, shape, "lessonlib", {"gbps": gbps(nbytes, time_fn(fast, *args))}
-        yield op, shape, "copy (same bytes)", {"gbps": gbps(nbytes, time_copy(nbytes))}
+        yield op, shape, Impl.LESSONLIB, {"gbps": gbps(nbytes, time_fn(fast, *args))}
+        yield op, shape, Impl.COPY, {"gbps": gbps(nbytes, time_copy(nbytes))}
 
 
 def _tuple(x):
@@ -66,12 +65,12 @@ def flash_cases(dtype, smoke):
         check_close("flash_attention", ops.flash_attention(q, k, v, causal=causal),
                     reference.attention(*to_float64(q, k, v), causal=causal), reference.attention(q, k, v, causal=causal))
         flops = 4 * b * h * n * n * d / (2 if causal else 1)
-        peers = [("lessonlib", lambda: ops.flash_attention(q, k, v, causal=causal))]
+        peers = [(Impl.LESSONLIB, lambda: ops.flash_attention(q, k, v, causal=causal))]
         if "CUDNN_ATTENTION" in sdpa.available_backends() and runtime.on_gpu():
-            peers.append(("SDPA cudnn", lambda: sdpa.scaled_dot_product_attention(q, k, v, causal,
-                                                                                  backends=("CUDNN_ATTENTION",))))
+            peers.append((Impl.SDPA_CUDNN, lambda: sdpa.scaled_dot_product_attention(q, k, v, causal,
+                                                                                     backends=("CUDNN_ATTENTION",))))
         for impl, fn in peers:
-            yield "forward", shape, impl, {"tflops": flops / (time_fn(fn).median_us * 1e-6) / 1e12}
+            yield Op.FORWARD, shape, impl, {"tflops": flops / (time_fn(fn).median_us * 1e-6) / 1e12}
 
 
 def paged_cases(dtype, smoke):
@@ -90,10 +89,10 @@ def paged_cases(dtype, smoke):
         k = k_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
         v = v_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
         nbytes = 2 * k.numel() * k.element_size()
-        for impl, fn in (("lessonlib", lambda: ops.paged_attention(*args, validate=False)),
-                         ("SDPA, contiguous cache", lambda: sdpa.scaled_dot_product_attention(q[:, :, None], k, v))):
+        for impl, fn in ((Impl.LESSONLIB, lambda: ops.paged_attention(*args, validate=False)),
+                         (Impl.SDPA_CONTIGUOUS, lambda: sdpa.scaled_dot_product_attention(q[:, :, None], k, v))):
             timing = time_graph(fn) if runtime.on_gpu() else time_fn(fn)
-            yield "paged_attention", shape, impl, {"graph_gbps": gbps(nbytes, timing)}
+            yield Op.PAGED_ATTENTION, shape, impl, {"graph_gbps": gbps(nbytes, timing)}
 
 
 def read_cases(dtype, smoke):
@@ -101,67 +100,51 @@ def read_cases(dtype, smoke):
     read rate, which can sit above the copy ceiling that lesson 01 uses for read + write kernels."""
     nbytes = 2**20 if smoke else 2**31
     x = randn(nbytes // dtype.itemsize, dtype=dtype)
-    yield "read", {"bytes": nbytes}, "sum (reads every byte once)", {"gbps": gbps(nbytes, time_fn(torch.sum, x))}
-    yield "read", {"bytes": nbytes}, "copy (reads and writes half each)", {"gbps": gbps(nbytes, time_copy(nbytes))}
+    yield Op.READ, {"bytes": nbytes}, Impl.SUM_READ, {"gbps": gbps(nbytes, time_fn(torch.sum, x))}
+    yield Op.READ, {"bytes": nbytes}, Impl.COPY_READ_WRITE, {"gbps": gbps(nbytes, time_copy(nbytes))}
 
 
 def per_call_cases(dtype, smoke):
     """Microseconds per call at T=1, back to back: the launcher's host time (issue 12's overhead budget)."""
     for op, shape in PER_CALL:
         width = 64 if smoke else shape.get("I") or shape["H"]
-        args = ((randn(1, width, dtype=dtype), randn(1, width, dtype=dtype)) if op == "swiglu" else
+        args = ((randn(1, width, dtype=dtype), randn(1, width, dtype=dtype)) if op == Op.SWIGLU else
                 (randn(1, width, dtype=dtype), randn(1, width, dtype=dtype), randn(width, dtype=dtype)))
-        yield op, shape, "lessonlib", {"us_per_call": time_fn(getattr(ops, op), *args).median_us}
+        yield op, shape, Impl.LESSONLIB, {"us_per_call": time_fn(getattr(ops, op), *args).median_us}
 
 
 def recorded_value(op, shape, impl, metric, per_call):
     """The same case in the committed full runs, or None."""
-    if op == "read":
+    if op == Op.READ:
         return None  # measured first here
-    if per_call:  # the full run's per-call regime ("per call, back to back", time_fn medians)
-        found = results.load("fusion-h200").select(op=op, impl=impl, regime="per call, back to back", **shape)
+    if per_call:  # the full run's per-call regime (calls back to back, time_fn medians)
+        found = results.load(recorded_name(Benchmark.FUSION)).select(op=op, impl=impl, regime=Regime.PER_CALL, **shape)
         return found[0]["us"] if len(found) == 1 else None
-    name = {"swiglu": "fusion-h200", "add_rms_norm": "fusion-h200", "forward": "flash-attention-h200",
-            "paged_attention": "paged-attention-h200"}[op]
-    where = dict(op="copy") if impl == "copy (same bytes)" else dict(op=op, impl=impl)
+    name = recorded_name({Op.SWIGLU: Benchmark.FUSION, Op.ADD_RMS_NORM: Benchmark.FUSION,
+                          Op.FORWARD: Benchmark.FLASH_ATTENTION, Op.PAGED_ATTENTION: Benchmark.PAGED_ATTENTION}[op])
+    where = dict(op=Op.COPY) if impl == Impl.COPY else dict(op=op, impl=impl)
     found = [r for r in results.load(name).select(**where, **shape) if "regime" not in r and not r.get("sweep")]
-    if op == "paged_attention":
+    if op == Op.PAGED_ATTENTION:
         found = [r for r in found if r["shape"].get("block_size") == 16 and r["shape"].get("D") == 128]
     return found[0].get(metric) if len(found) == 1 else None
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    args = parser.parse_args()
-    if not args.smoke and not runtime.on_gpu():
-        sys.exit("bench_headline.py measures a GPU; without one, run it with --smoke")
-    dtype = runtime.dtype()
+    args = bench.parse_args(__doc__.splitlines()[0], "bench_headline.py", checkable=False)  # checks and times at once
+    run = bench.Run(Benchmark.HEADLINE, smoke=args.smoke)
     warm_up_gpu()
-    records = []
     cases_per_benchmark = ((fusion_cases, False), (flash_cases, False), (paged_cases, False), (read_cases, False),
                            (per_call_cases, True))
     for cases, per_call in cases_per_benchmark:
-        for op, shape, impl, measured in cases(dtype, args.smoke):
+        for op, shape, impl, measured in cases(run.dtype, args.smoke):
             (metric, value), = measured.items()
             before = None if args.smoke else recorded_value(op, shape, impl, metric, per_call)
-            records.append({"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."),
-                            metric: round(value, 2), "recorded": before,
-                            "now / recorded": round(value / before, 3) if before else None})
-            print(f"{op:16s} {impl:24s} {str(shape):60s} {metric} {value:10.2f}"
-                  + (f"  recorded {before:10.2f}  ({value / before:.2f}x)" if before else ""), flush=True)
+            run.add(op, impl, shape, **{metric: round(value, 2), "recorded": before,
+                                        "now / recorded": round(value / before, 3) if before else None})
+    run.notes["compared with"] = ("the committed fusion-h200, flash-attention-h200 and paged-attention-h200 runs "
+                                  "(lessonlib's records and the same-run peers)")
     profile = runtime.gpu_profile()
-    Results(
-        benchmark="headline",
-        command="python benchmarks/bench_headline.py " + " ".join(sys.argv[1:]),
-        environment={**environment(), "profile": profile.describe() if profile else "interpreter"},
-        ceilings={},
-        records=records,
-        notes={"compared with": "the committed fusion-h200, flash-attention-h200 and paged-attention-h200 runs "
-                                "(lessonlib's records and the same-run peers)"},
-    ).save(args.out)
-    print("wrote", args.out)
+    run.save(args.out, {}, {"profile": profile.describe() if profile else "interpreter"})
 
 
 if __name__ == "__main__":

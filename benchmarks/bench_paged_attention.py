@@ -10,7 +10,6 @@ Every case is checked against the float64 reference first. ``--smoke`` runs tiny
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -19,11 +18,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lessonlib import ops, reference, runtime  # noqa: E402
+from lessonlib import bench, ops, reference, runtime  # noqa: E402
+from lessonlib.bench import Case  # noqa: E402
 from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
-from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Results, environment  # noqa: E402
+from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
+from lessonlib.results import Benchmark, Impl, Op, sweep_label  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
+
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
+SMOKE_HEADS = (8, 2, 32, 16)
+CONTEXTS = [(32, 4096), (64, 2048), (8, 16384), (1, 32768)]  # (batch, context)
+SMOKE_CONTEXTS = [(2, 64), (1, 100)]
+# The kernel's tuning knobs (ops.paged_attention's keywords), each point checked by the case's check, then timed.
+KNOBS = [{"num_splits": s} for s in (1, 2, 4, 8, 16, 32, 64)] + [
+    {"blocks_per_step": bps, "num_warps": w, "num_stages": st}
+    for bps in (2, 4, 8) for w in (4, 8) for st in (2, 3, 4)] + [
+    {"num_splits": s, "blocks_per_step": 8, "num_warps": 8} for s in (8, 16, 32, 64)]
+STORE_TOKENS, SMOKE_STORE_TOKENS = 4096, 64
 
 
 def build(batch, context, heads, kv_heads, head_dim, block_size, dtype):
@@ -50,92 +62,76 @@ def sdpa(q, k, v):
     return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
-    args = parser.parse_args()
-    if not args.smoke and not runtime.on_gpu():
-        sys.exit("bench_paged_attention.py needs a GPU (use --smoke to test the script on CPU)")
-    dtype = runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and in the interpreter
-    heads, kv_heads, head_dim, block_size = (8, 2, 32, 16) if args.smoke else (32, 8, 128, 16)
-    cases = [(2, 64), (1, 100)] if args.smoke else [(32, 4096), (64, 2048), (8, 16384), (1, 32768)]
-    records = []
-    warm_up_gpu()
-
-    def measure(op, impl, shape, fn, nbytes, capturable=True):
-        """Two times per call: from Python (time_fn: what a plain decode loop pays, host included) and replayed
-        from a CUDA graph (time_graph: the GPU's time alone, what a graph-captured decode step pays)."""
-        us = time_fn(fn).median_us
-        graph_us = time_graph(fn).median_us if runtime.on_gpu() and capturable else None
-        rec = {"op": op, "impl": impl, "shape": shape, "dtype": str(dtype).removeprefix("torch."), "us": round(us, 3),
-               "bytes": nbytes, "gbps": round(nbytes / (us * 1e-6) / 1e9, 1),
-               "graph_us": None if graph_us is None else round(graph_us, 3),
-               "graph_gbps": None if graph_us is None else round(nbytes / (graph_us * 1e-6) / 1e9, 1)}
-        records.append(rec)
-        graph = "" if graph_us is None else f"   graph {graph_us:8.2f} us {rec['graph_gbps']:6.0f} GB/s"
-        print(f"{op:16s} {impl:40s} {str(shape):34s} {us:8.2f} us {rec['gbps']:6.0f} GB/s{graph}", flush=True)
-
-    for batch, context in cases:
-        q, k_cache, v_cache, table, lens = build(batch, context, heads, kv_heads, head_dim, block_size, dtype)
+def paged_attention_cases(run, smoke):
+    """Decode attention at each (batch, context): lessonlib, its peers, and the knobs' sweep."""
+    heads, kv_heads, head_dim, block_size = SMOKE_HEADS if smoke else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    for batch, context in SMOKE_CONTEXTS if smoke else CONTEXTS:
+        q, k_cache, v_cache, table, lens = build(batch, context, heads, kv_heads, head_dim, block_size, run.dtype)
+        paged = (q, k_cache, v_cache, table, lens)
         truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, lens)
-        low = reference.paged_attention(q, k_cache, v_cache, table, lens)
-        check_close("paged_attention", ops.paged_attention(q, k_cache, v_cache, table, lens), truth, low)
+        low = reference.paged_attention(*paged)
         k, v = gather(k_cache, table, context).contiguous(), gather(v_cache, table, context).contiguous()
         nbytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
         shape = {"B": batch, "context": context, "H": heads, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
         # The kernels with validate=False; the table checks cost a device sync per call (timed separately, and
         # a sync cannot be graph-captured).
-        measure("paged_attention", "lessonlib", shape,
-                lambda: ops.paged_attention(q, k_cache, v_cache, table, lens, validate=False), nbytes)
-        measure("paged_attention", "lessonlib, tables validated every call", shape,
-                lambda: ops.paged_attention(q, k_cache, v_cache, table, lens), nbytes, capturable=False)
-        measure("paged_attention", "SDPA, contiguous cache", shape, lambda: sdpa(q, k, v), nbytes)
-        measure("paged_attention", "gather pages, then SDPA", shape,
-                lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context)), nbytes)
-        try:
-            flex = flex_paged_attention(q, k_cache, v_cache, table, lens)
-            check_close("FlexAttention paged", flex(), truth, low)
-            measure("paged_attention", "FlexAttention paged", shape, flex, nbytes)
-        except Exception as error:  # a peer that does not run here is recorded with its error, not hidden
-            message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
-            records.append({"op": "paged_attention", "impl": "FlexAttention paged", "shape": shape,
-                            "dtype": str(dtype).removeprefix("torch."), "us": None, "error": message})
-            print("FlexAttention paged:", message, flush=True)
-        variants = [{"num_splits": s} for s in (1, 2, 4, 8, 16, 32, 64)] + [
-            {"blocks_per_step": bps, "num_warps": w, "num_stages": st}
-            for bps in (2, 4, 8) for w in (4, 8) for st in (2, 3, 4)] + [
-            {"num_splits": s, "blocks_per_step": 8, "num_warps": 8} for s in (8, 16, 32, 64)]
-        variants = variants[:2] if args.smoke else variants
-        for knobs in variants:
-            label = "lessonlib " + " ".join(f"{k}={v}" for k, v in knobs.items())
-            measure("paged_attention", label, shape,
-                    lambda kw=knobs: ops.paged_attention(q, k_cache, v_cache, table, lens, validate=False, **kw), nbytes)
-        del q, k_cache, v_cache, k, v
+        peers = {Impl.LESSONLIB: lambda: ops.paged_attention(*paged, validate=False),
+                 Impl.TABLES_VALIDATED: lambda: ops.paged_attention(*paged),
+                 Impl.SDPA_CONTIGUOUS: lambda: sdpa(q, k, v),
+                 Impl.GATHER_THEN_SDPA: lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context))}
+        graphed = tuple(i for i in peers if i != Impl.TABLES_VALIDATED)
+        yield Case(Op.PAGED_ATTENTION, shape, peers, lambda: check_close("paged_attention", ops.paged_attention(*paged),
+                                                                         truth, low), nbytes, graphed=graphed)
+        yield from flex_case(run, paged, truth, low, shape, nbytes)
+        knobs = KNOBS[:2] if smoke else KNOBS
+        yield Case(Op.PAGED_ATTENTION, shape, {sweep_label(kw): (lambda kw=kw: ops.paged_attention(
+            *paged, validate=False, **kw)) for kw in knobs}, nbytes=nbytes, graphed=tuple(map(sweep_label, knobs)))
+        del q, k_cache, v_cache, k, v, paged
 
-    tokens = 64 if args.smoke else 4096
-    k_new = torch.randn(tokens, kv_heads, head_dim, device=runtime.device(), dtype=torch.float32).to(dtype)
+
+def flex_case(run, paged, truth, low, shape, nbytes):
+    """FlexAttention's paged attention; a peer that does not run here is recorded with its error, not hidden."""
+    try:
+        flex = flex_paged_attention(*paged)
+        check_close("FlexAttention paged", flex(), truth, low)
+    except Exception as error:
+        message = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:300]
+        run.record(Op.PAGED_ATTENTION, Impl.FLEX_PAGED, shape, None, error=message)
+        return
+    yield Case(Op.PAGED_ATTENTION, shape, {Impl.FLEX_PAGED: flex}, nbytes=nbytes, graphed=(Impl.FLEX_PAGED,))
+
+
+def store_kv_case(run, smoke):
+    """The cache's store_kv writing a prefill's K and V into shuffled slots, against a copy of the same bytes."""
+    _, kv_heads, head_dim, block_size = SMOKE_HEADS if smoke else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    tokens = SMOKE_STORE_TOKENS if smoke else STORE_TOKENS
+    k_new = torch.randn(tokens, kv_heads, head_dim, device=runtime.device(), dtype=torch.float32).to(run.dtype)
     v_new = torch.randn_like(k_new)
     num_blocks = -(-tokens // block_size) * 2
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device=runtime.device(), dtype=dtype)
+    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, device=runtime.device(), dtype=run.dtype)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.randperm(num_blocks * block_size, device=runtime.device())[:tokens]
-    ops.store_kv(k_new, v_new, k_cache, v_cache, slots)
-    assert torch.equal(k_cache.reshape(-1, kv_heads, head_dim)[slots], k_new)
-    nbytes = 2 * 2 * k_new.numel() * k_new.element_size()  # K and V, each read once and written once
-    shape = {"T": tokens, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
-    measure("store_kv", "lessonlib", shape, lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots, validate=False),
-            nbytes)
-    measure("store_kv", "lessonlib, slots validated every call", shape,
-            lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots), nbytes, capturable=False)
-    src = torch.empty(nbytes // 4, dtype=torch.float16, device=runtime.device()).normal_()
-    dst = torch.empty_like(src)
-    measure("store_kv", "copy (same bytes)", shape, lambda: dst.copy_(src), nbytes)
 
+    def check():
+        ops.store_kv(k_new, v_new, k_cache, v_cache, slots)
+        assert torch.equal(k_cache.reshape(-1, kv_heads, head_dim)[slots], k_new)
+
+    nbytes = 2 * 2 * k_new.numel() * k_new.element_size()  # K and V, each read once and written once
+    peers = {Impl.LESSONLIB: lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots, validate=False),
+             Impl.SLOTS_VALIDATED: lambda: ops.store_kv(k_new, v_new, k_cache, v_cache, slots),
+             Impl.COPY: copy_call(nbytes)}
+    shape = {"T": tokens, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
+    return Case(Op.STORE_KV, shape, peers, check, nbytes, graphed=(Impl.LESSONLIB, Impl.COPY))
+
+
+def main():
+    args = bench.parse_args(__doc__, "bench_paged_attention.py")
+    run = bench.Run(Benchmark.PAGED_ATTENTION, smoke=args.smoke, check_only=args.check)
+    warm_up_gpu()
+    run.cases(paged_attention_cases(run, args.smoke))
+    run.cases([store_kv_case(run, args.smoke)])
     ceiling_bytes = 1 << (20 if args.smoke else 32)
-    ceilings = {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None}
-    results = Results("paged_attention", " ".join(["python", *sys.argv]), environment(), ceilings, records, {})
-    print("wrote", results.save(args.out))
+    run.save(args.out, {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None})
 
 
 if __name__ == "__main__":

@@ -44,3 +44,18 @@ class Graphed:
                 static.copy_(new)
         self.graph.replay()
         return self.outputs
+
+
+def launch_modes(module):
+    """Lesson 05's four ways to launch the same ``module``: eager, torch.compile, torch.compile's reduce-overhead
+    mode and a CUDA graph captured by hand. Returns ``modes(x) -> {impl: call}`` for inputs shaped like ``x`` (a
+    graph is captured per shape; the compiled modules are made once). Without a GPU: eager alone (no graphs, and
+    torch.compile's speed is lesson 04's). benchmarks/bench_cuda_graphs.py and notebook 05 both time these."""
+    from lessonlib import runtime
+    from lessonlib.results import Impl
+
+    if not runtime.on_gpu():
+        return lambda x: {Impl.EAGER: module}
+    compiled = {Impl.COMPILE: torch.compile(module),
+                Impl.COMPILE_REDUCE_OVERHEAD: torch.compile(module, mode="reduce-overhead")}
+    return lambda x: {Impl.EAGER: module, **compiled, Impl.CUDA_GRAPH_BY_HAND: Graphed(module, x.clone())}

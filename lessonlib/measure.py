@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lessonlib import runtime
+from lessonlib.results import Ceilings
 
 
 @dataclass(frozen=True)
@@ -166,20 +167,6 @@ def _native_stderr_silenced():
         os.close(devnull)
 
 
-@dataclass(frozen=True)
-class Ceilings:
-    """The two numbers every kernel is judged against."""
-
-    bandwidth_gbs: float  # device-to-device copy, bytes read + written per second / 1e9
-    matmul_tflops: float  # GEMM in the course's dtype: bf16, or fp16 on a GPU without bf16 (runtime.dtype())
-    source: str  # "measured live on <GPU>" or the recorded run's provenance
-
-    @property
-    def ridge_intensity(self) -> float:
-        """FLOPs per byte above which an op is compute-bound."""
-        return self.matmul_tflops * 1e12 / (self.bandwidth_gbs * 1e9)
-
-
 def measure_ceilings(copy_bytes: int = 2 << 30, matmul_size: int = 8192) -> Ceilings:
     """Measure copy bandwidth and the matmul rate on the current GPU (a few seconds), in the course's dtype there:
     bfloat16, or float16 on a GPU without it (a T4's tensor cores take float16)."""
@@ -213,8 +200,14 @@ def compare_bandwidth(impls: dict, *args, nbytes: int) -> dict[str, float]:
     return out
 
 
-def time_copy(nbytes: int) -> Timing:
-    """A device-to-device copy that reads nbytes / 2 and writes nbytes / 2: what moving those bytes costs at best."""
+def copy_call(nbytes: int):
+    """A device-to-device copy that reads nbytes / 2 and writes nbytes / 2, as a call to time: what moving those
+    bytes costs at best (the benchmarks' "copy (same bytes)" peer)."""
     src = torch.empty(nbytes // 4, dtype=torch.float16, device=runtime.device()).normal_()
     dst = torch.empty_like(src)
-    return time_fn(dst.copy_, src)
+    return lambda: dst.copy_(src)
+
+
+def time_copy(nbytes: int) -> Timing:
+    """The time of :func:`copy_call`'s copy of ``nbytes``."""
+    return time_fn(copy_call(nbytes))

@@ -1,4 +1,4 @@
-"""Recorded GPU runs: the file format benchmarks write and notebooks plot.
+"""Recorded GPU runs: the labels benchmarks write and plots read, and the file format that carries them.
 
 A results file is JSON::
 
@@ -16,21 +16,205 @@ A results file is JSON::
 
 Every peer measured in the run is a record of its own (``impl``: ``eager``, ``torch.compile``, ``copy``...).
 Committed files live in ``lessonlib/results/`` so that a pip-installed lessonlib (Colab) carries them.
+
+The labels are declared once, here (:class:`Op`, :class:`Impl`, :class:`Unit`, and :func:`sweep_label` for a
+tuning sweep's settings): benchmarks write these constants, plots and notebooks read them, and a file holding a
+label declared nowhere fails to load, naming the label and the file. Renaming a label means changing its value
+here and re-recording (or leaving the old value in place): a plot never silently loses its bar.
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from lessonlib.measure import Ceilings
-
 FORMAT = "lessonlib-results/1"
 RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def _labels(namespace) -> frozenset[str]:
+    return frozenset(value for name, value in vars(namespace).items() if name.isupper())
+
+
+class Benchmark:
+    """The ``benchmark`` field, one per ``benchmarks/bench_<name>.py``; :func:`recorded_name` names its file."""
+
+    FUSION = "fusion"
+    FLASH_ATTENTION = "flash_attention"
+    PAGED_ATTENTION = "paged_attention"
+    CUDA_GRAPHS = "cuda_graphs"
+    HEADLINE = "headline"
+    ENGINE = "engine"
+
+
+def recorded_name(benchmark: str, gpu: str = "h200") -> str:
+    """The committed file of a benchmark's run on a GPU: ``recorded_name(Benchmark.FUSION)`` is "fusion-h200"."""
+    return f"{benchmark.replace('_', '-')}-{gpu}"
+
+
+class Op:
+    """What a record measured (the ``op`` field)."""
+
+    COPY = "copy"  # a device copy of the same bytes as the op at that shape: the ceiling beside it
+    SWIGLU = "swiglu"
+    ADD_RMS_NORM = "add_rms_norm"
+    SWIGLU_BACKWARD = "swiglu_backward"
+    ADD_RMS_NORM_BACKWARD = "add_rms_norm_backward"
+    LAUNCH_OVERHEAD = "launch_overhead"  # one decode-size call split into its host-side steps
+    APPLY_ROPE = "apply_rope"
+    GATED_MLP = "gated_mlp"
+    FORWARD = "forward"  # attention forward
+    BACKWARD = "backward"  # attention backward
+    FORWARD_VARIANT = "forward variant"  # the benchmark's copy of the forward loop, changed one way at a time
+    DECODE = "decode"  # attention of one query over a long KV sequence
+    PAGED_ATTENTION = "paged_attention"
+    STORE_KV = "store_kv"
+    DECODE_STEP = "decode_step"  # one decoder layer's decode step
+    GENERATE = "generate"
+    ENGINE_STEPS = "engine_steps"
+    DECODE_STEP_PART = "decode_step_part"
+    DECODE_STEP_LIMIT = "decode_step_limit"
+    READ = "read"  # headline: the bandwidth a plain read reaches
+
+
+class Impl:
+    """Who ran it (the ``impl`` field): lessonlib or a peer measured in the same run."""
+
+    LESSONLIB = "lessonlib"
+    EAGER = "eager"
+    COMPILE = "torch.compile"
+    COPY = "copy (same bytes)"
+    # backward
+    LESSONLIB_KERNEL = "lessonlib (kernel)"  # the gradient kernel called directly
+    LESSONLIB_AUTOGRAD = "lessonlib (autograd)"  # through the op's autograd formula
+    # launch_overhead: the steps of one decode-size call
+    CHECK_TENSORS = "check_tensors only"
+    TORCH_EMPTY = "torch.empty only"
+    BARE_LAUNCH = "bare Triton launch (inputs ready)"
+    OPS_SWIGLU = "lessonlib.ops.swiglu"
+    SWIGLU_LAUNCHER = "swiglu_forward (the launcher alone)"
+    SWIGLU_CUSTOM_OP = "torch.ops.lessonlib.swiglu (custom op dispatch)"
+    EAGER_SILU_MUL = "eager silu·mul"
+    OPS_ADD_RMS_NORM = "lessonlib.ops.add_rms_norm"
+    ADD_RMS_NORM_LAUNCHER = "add_rms_norm_forward (the launcher alone)"
+    ADD_RMS_NORM_CUSTOM_OP = "torch.ops.lessonlib.add_rms_norm (custom op dispatch)"
+    # gated_mlp
+    FUSED_GATED_MLP = "lessonlib (gate_up GEMM + swiglu)"
+    SHARE_SWIGLU = "of which: swiglu kernel"
+    SHARE_EAGER_SILU_MUL = "of which: eager silu·mul"
+    COMPILE_REDUCE_OVERHEAD = "torch.compile reduce-overhead"
+    CUDA_GRAPH_BY_HAND = "CUDA graph (by hand)"
+    # decode_step
+    EAGER_STEP = "eager PyTorch step"
+    FUSED_STEP = "lessonlib fused step"
+    FUSED_STEP_GRAPH = "lessonlib fused step, CUDA graph"
+    # attention
+    NAIVE = "naive"
+    SDPA = "SDPA"  # PyTorch's own choice of backend (the CPU smoke run)
+    SDPA_FLASH = "SDPA flash"
+    SDPA_CUDNN = "SDPA cudnn"
+    SDPA_EFFICIENT = "SDPA efficient"
+    LOOP_COPY = "loop copy, unchanged"
+    MATMULS_ONLY = "matrix products alone (no softmax)"
+    LAZY_RESCALE = "lazy rescale (FlashAttention-4)"
+    EXP2_16BIT = "exp2 in 16 bits"
+    # paged attention and store_kv
+    TABLES_VALIDATED = "lessonlib, tables validated every call"
+    SLOTS_VALIDATED = "lessonlib, slots validated every call"
+    SDPA_CONTIGUOUS = "SDPA, contiguous cache"
+    GATHER_THEN_SDPA = "gather pages, then SDPA"
+    FLEX_PAGED = "FlexAttention paged"
+    # engine
+    HF_DYNAMIC = "transformers generate (dynamic cache, eager)"
+    HF_STATIC = "transformers generate (static cache, compiled)"
+    ENGINE = "lessonlib engine"
+    ENGINE_GRAPHS = "lessonlib engine, CUDA graphs"
+    ENGINE_EAGER = "lessonlib engine, eager"
+    WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
+    # headline's read ceiling
+    SUM_READ = "sum (reads every byte once)"
+    COPY_READ_WRITE = "copy (reads and writes half each)"
+
+
+SDPA_BACKEND_IMPLS = {"FLASH_ATTENTION": Impl.SDPA_FLASH, "CUDNN_ATTENTION": Impl.SDPA_CUDNN,
+                      "EFFICIENT_ATTENTION": Impl.SDPA_EFFICIENT}  # torch's SDPBackend name -> impl
+
+
+class Unit:
+    """Measured fields of a record."""
+
+    US = "us"  # microseconds per call (None: the case failed; ``error`` says why)
+    GRAPH_US = "graph_us"  # the same, replayed from a CUDA graph (GPU time alone)
+    US_PER_CALL = "us_per_call"
+    GBPS = "gbps"  # the fewest bytes the op must move / time, 1e9 bytes per second
+    GRAPH_GBPS = "graph_gbps"
+    TFLOPS = "tflops"
+
+
+class Regime:
+    PER_CALL = "per call, back to back"  # calls in a loop, as a decode loop makes them: launch overhead included
+
+
+OPS, IMPLS = _labels(Op), _labels(Impl)
+
+# A tuning sweep's impl: "<prefix> key=value key=value ...", e.g. "lessonlib BLOCK_M=64 BLOCK_N=64 num_warps=4".
+SWEEP_PREFIX = "lessonlib"
+FUSION_SWEEP_PREFIX = "sweep"  # fusion's sweeps, recorded as "sweep BLOCK=1024 warps=4"
+_SETTING = r"[A-Za-z_]+=\d+(?: per SM)?"
+_SWEEP = re.compile(rf"^(?:{SWEEP_PREFIX}|{FUSION_SWEEP_PREFIX})(?: (?:dkdv|\| dq|{_SETTING}))*$")
+
+
+def sweep_label(settings: dict, prefix: str = SWEEP_PREFIX, per: str = "") -> str:
+    """The impl of one point of a tuning sweep: ``sweep_label({"num_splits": 4})`` is "lessonlib num_splits=4"."""
+    return f"{prefix} " + " ".join(f"{k}={v}{per}" for k, v in settings.items())
+
+
+def kernels_sweep_label(configs: dict[str, dict]) -> str:
+    """A sweep point setting several kernels: "lessonlib dkdv BLOCK_M=32 ... | dq BLOCK_M=64 ..."."""
+    return SWEEP_PREFIX + " " + " | ".join(f"{kernel} " + sweep_label(c, "").strip() for kernel, c in configs.items())
+
+
+def is_sweep(impl: str) -> bool:
+    """Whether ``impl`` is a point of a tuning sweep rather than a named implementation."""
+    return impl not in IMPLS and bool(_SWEEP.match(impl)) and "=" in impl
+
+
+def sweep_settings(impl: str) -> dict[str, int]:
+    """The settings a one-kernel sweep point's impl names: ``{"num_splits": 8, "num_warps": 8}``."""
+    return {key: int(value) for key, value in re.findall(r"(\w+)=(\d+)", impl)}
+
+
+class UnknownLabel(ValueError):
+    """A record names an op or impl that this module does not declare."""
+
+
+def check_labels(records: list[dict], where: str) -> None:
+    """Raise :class:`UnknownLabel` on the first record whose op or impl is declared nowhere in this module."""
+    for rec in records:
+        if rec["op"] not in OPS:
+            raise UnknownLabel(f"{where}: op {rec['op']!r} is not declared in lessonlib.results.Op")
+        if rec["impl"] not in IMPLS and not is_sweep(rec["impl"]):
+            raise UnknownLabel(f"{where}: impl {rec['impl']!r} (op {rec['op']!r}) is not declared in "
+                               "lessonlib.results.Impl, nor a sweep_label")
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """The two numbers every kernel is judged against."""
+
+    bandwidth_gbs: float  # device-to-device copy, bytes read + written per second / 1e9
+    matmul_tflops: float  # GEMM in the course's dtype: bf16, or fp16 on a GPU without bf16 (runtime.dtype())
+    source: str  # "measured live on <GPU>" or the recorded run's provenance
+
+    @property
+    def ridge_intensity(self) -> float:
+        """FLOPs per byte above which an op is compute-bound."""
+        return self.matmul_tflops * 1e12 / (self.bandwidth_gbs * 1e9)
 
 
 def environment() -> dict:
@@ -85,18 +269,20 @@ class Results:
 
     def save(self, path) -> Path:
         path = Path(path)
+        check_labels(self.records, str(path))
         path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
         return path
 
 
 def load(name_or_path) -> Results:
-    """A committed results file by name (``load("fusion-h200")``) or any path."""
+    """A committed results file by name (``load("fusion-h200")``) or any path; an undeclared label fails."""
     path = Path(name_or_path)
     if not path.suffix:
         path = RESULTS_DIR / f"{name_or_path}.json"
     data = json.loads(path.read_text())
     if data.get("format") != FORMAT:
         raise ValueError(f"{path}: not a {FORMAT} file (format={data.get('format')!r})")
+    check_labels(data["records"], str(path))
     return Results(data["benchmark"], data["command"], data["environment"], data["ceilings"], data["records"],
                    data.get("notes", {}))
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from lessonlib import plots, traffic
-from lessonlib.measure import Ceilings
+from lessonlib.results import Ceilings
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
@@ -36,7 +36,7 @@ def show_traffic(op="add_rms_norm", tokens=8192, hidden=4096, intermediate=14336
     model = op_traffic(op, tokens, hidden, intermediate, dtype)
     print(f"{op}: eager {model.eager.launches} launches, {model.eager.bytes / 1e6:,.1f} MB -> fused "
           f"{model.fused.launches} launch, {model.fused.bytes / 1e6:,.1f} MB ({model.byte_ratio:.2f}x fewer bytes)")
-    plots.traffic(model)
+    plots.traffic_bars(model)
     plt.show()
     return {"eager_MB": model.eager.bytes / 1e6, "fused_MB": model.fused.bytes / 1e6, "byte_ratio": model.byte_ratio,
             "eager_launches": model.eager.launches, "fused_launches": model.fused.launches}

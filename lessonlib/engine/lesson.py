@@ -12,6 +12,8 @@ import matplotlib.pyplot as plt
 from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import SamplingParams, Sequence
+from lessonlib.plots import IMPL_COLORS, figure, finish
+from lessonlib.results import Op
 
 
 @dataclass
@@ -63,8 +65,7 @@ def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 
 
 def plot_simulation(records: list[SimulatedStep], num_blocks: int, ax=None):
     """KV blocks in use against what up-front reservation would hold, and the queue, step by step."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3.6))
+    _, ax = figure(ax, (10, 3.6))
     steps = [r.step for r in records]
     ax.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", label="reserved up front (max length)")
     ax.plot(steps, [r.blocks_used for r in records], color="tab:blue", label="in use (paged)")
@@ -85,8 +86,7 @@ def plot_simulation(records: list[SimulatedStep], num_blocks: int, ax=None):
 
 def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performance)"):
     """An engine run's steps (``LLM.steps``): time per step, prefill and decode coloured apart."""
-    if ax is None:
-        _, ax = plt.subplots(figsize=(10, 3))
+    _, ax = figure(ax, (10, 3))
     colors = ["tab:orange" if s.kind == "prefill" else "tab:blue" for s in steps]
     ax.bar(range(len(steps)), [1e3 * s.seconds for s in steps], color=colors)
     ax.set_xlabel("engine step (orange: prefill, blue: decode)")
@@ -103,14 +103,14 @@ def plot_recorded(results, axes=None):
     if axes is None:
         _, axes = plt.subplots(1, 2, figsize=(13, 4))
     ladder, parts = axes
-    generate = results.select(op="generate")
+    generate = results.select(op=Op.GENERATE)
     impls = list(dict.fromkeys(r["impl"] for r in generate))
     batches = sorted({r["shape"]["batch"] for r in generate})
     width = 0.8 / len(impls)
     for i, impl in enumerate(impls):
         values = [next((r["tokens_per_s"] for r in generate if r["impl"] == impl and r["shape"]["batch"] == b), 0)
                   for b in batches]
-        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl)
+        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl, color=IMPL_COLORS[impl])
     limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
     if limit and 1 in batches:  # the weights read once per step: a bound at batch 1 only (more rows share the read)
         at = batches.index(1)
@@ -122,14 +122,14 @@ def plot_recorded(results, axes=None):
     ladder.set_ylabel("tokens/s (log scale)")
     ladder.set_title("tokens/s, 128-token prompts, 128 new tokens", fontsize=10)
     ladder.legend(fontsize=7, loc="upper left")
-    rows = results.select(op="decode_step_part")
+    rows = results.select(op=Op.DECODE_STEP_PART)
     shown = [p for p in dict.fromkeys(r["part"] for r in rows) if p != "whole step"]
     bottoms = [0.0] * len(batches)
     for part in shown:
         values = [next((r["us"] for r in rows if r["part"] == part and r["shape"]["batch"] == b), 0) for b in batches]
         parts.bar(range(len(batches)), values, bottom=bottoms, label=part)
         bottoms = [a + b for a, b in zip(bottoms, values)]
-    limits = [next((r["us"] for r in results.select(op="decode_step_limit") if r["shape"]["batch"] == b), None)
+    limits = [next((r["us"] for r in results.select(op=Op.DECODE_STEP_LIMIT) if r["shape"]["batch"] == b), None)
               for b in batches]
     parts.scatter(range(len(batches)), limits, color="black", marker="_", s=900, zorder=3, label="bytes-read limit")
     parts.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
@@ -137,5 +137,5 @@ def plot_recorded(results, axes=None):
     parts.set_ylim(0, max(bottoms + [l or 0 for l in limits]) * 1.6)  # room above the bars for the legend
     parts.set_title("one decode step (CUDA graphs), by part, against the bytes it must read", fontsize=10)
     parts.legend(fontsize=7, ncol=2, loc="upper left")
-    ladder.figure.text(0.01, -0.02, results.provenance(), fontsize=7)
+    finish(ladder.figure, results.provenance())
     return axes

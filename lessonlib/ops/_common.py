@@ -42,17 +42,31 @@ def _raise_for(op, first_name, first, name, t, supported):
     raise ValueError(f"{op}: {name} must be contiguous in its last dimension (stride {t.stride(-1)}); call .contiguous()")
 
 
-def launch(kernel, grid, *args, **meta) -> None:
-    """kernel[grid](*args, **meta). In interpreter mode the launch is also named in torch.profiler traces, so launch
-    counts work on CPU; on the GPU Triton's kernels show up in the profiler by themselves, at no extra cost."""
+def launch(kernel, grid, *args, **meta):
+    """kernel[grid](*args, **meta), returning what Triton returns (on the GPU the compiled kernel: its n_regs and
+    n_spills). In interpreter mode the launch is also named in torch.profiler traces, so launch counts work on CPU;
+    on the GPU Triton's kernels show up in the profiler by themselves, at no extra cost."""
     if runtime.on_gpu():
-        kernel[grid](*args, **meta)
-    else:
-        if runtime.mode() == "compile":
-            raise RuntimeError(f"{kernel.fn.__name__}: LESSONLIB_MODE=compile defines kernels for the compiler only; "
-                               "nothing launches (tools/compile_targets.py compiles them)")
-        with torch.profiler.record_function(f"triton::{kernel.fn.__name__}"):
-            kernel[grid](*args, **meta)
+        return kernel[grid](*args, **meta)
+    if runtime.mode() == "compile":
+        raise RuntimeError(f"{kernel.fn.__name__}: LESSONLIB_MODE=compile defines kernels for the compiler only; "
+                           "nothing launches (tools/compile_targets.py compiles them)")
+    with torch.profiler.record_function(f"triton::{kernel.fn.__name__}"):
+        return kernel[grid](*args, **meta)
+
+
+def tuned(op: str, default: dict, override: dict | None) -> dict:
+    """A launcher's ``config`` knob: ``default`` (its heuristic) with a sweep's ``override`` of some of its keys.
+    An unknown key or a BLOCK that is not a power of 2 fails before any launch."""
+    if not override:
+        return default
+    unknown = set(override) - set(default)
+    if unknown:
+        raise ValueError(f"{op}: config keys {sorted(unknown)} unknown; it takes {sorted(default)}")
+    meta = {**default, **override}
+    if "BLOCK" in meta and meta["BLOCK"] != next_power_of_2(meta["BLOCK"]):
+        raise ValueError(f"{op}: config BLOCK must be a power of 2, got {meta['BLOCK']}")
+    return meta
 
 
 def num_warps_for(block: int) -> int:

@@ -26,7 +26,7 @@ import triton.language as tl
 import triton
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2, tuned
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
 # updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
@@ -204,25 +204,43 @@ def config(n_cols: int, profile=None) -> dict:
     return dict(BLOCK=TWO_PASS_BLOCK, ONE_PASS=False, num_warps=16)
 
 
+_default_config = config  # the launchers' ``config`` knob shadows the name inside them
+
+
 def add_rms_norm_forward(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, config: dict | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward launcher: fused ``residual + x`` then RMSNorm; returns ``(normalized, updated_residual)`` like
     ``lessonlib.reference.add_rms_norm``. x, residual: (..., H) of one shape; weight: (H,). No autograd: models
-    call :func:`add_rms_norm`."""
+    call :func:`add_rms_norm`. ``config`` overrides :func:`config`'s BLOCK, ONE_PASS and num_warps: a knob for
+    sweeps (benchmarks/bench_fusion.py)."""
+    return _forward(x, residual, weight, eps, config)[:2]
+
+
+def compiled_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                     config: dict | None = None):
+    """Run the forward once and return Triton's compiled kernel (on a GPU): its ``n_regs`` (registers per thread)
+    and ``n_spills`` are what the register-pressure sweep and lesson 01 read."""
+    return _forward(x, residual, weight, eps, config)[2]
+
+
+def _forward(x, residual, weight, eps, override):
     _check(x, residual, weight, eps)
     n_cols = x.shape[-1]
+    meta = _default_config(n_cols) if override is None else tuned("add_rms_norm", _default_config(n_cols), override)
+    if meta["ONE_PASS"] and meta["BLOCK"] < n_cols:
+        raise ValueError(f"add_rms_norm: ONE_PASS needs BLOCK >= H, got BLOCK={meta['BLOCK']}, H={n_cols}")
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     residual_out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if out.numel() == 0:
-        return out, residual_out
+        return out, residual_out, None
     x2d, residual2d = _rows(x, n_cols), _rows(residual, n_cols)
-    launch(
+    kernel = launch(
         _add_rms_norm_kernel, (x2d.shape[0],),
         x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
-        **config(n_cols),
+        **meta,
     )
-    return out, residual_out
+    return out, residual_out, kernel
 
 
 # Programs of the backward per multiprocessor: each walks a run of rows with its partial d(weight) in registers.

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for, tuned
 
 # Columns per program. Swept on the H200 at T=8192, I=14336 bf16 (1-D grid): 1024 to 4096 columns with 4 to 16
 # warps all reached 4,120-4,229 GB/s (copy: 4,151 GB/s for the same bytes), except 16 warps on 1024-2048 columns.
@@ -102,17 +102,21 @@ def config(n_cols: int, profile=None) -> dict:
     return dict(BLOCK=block, num_warps=num_warps_for(block))
 
 
-def swiglu_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+_default_config = config  # the launchers' ``config`` knob shadows the name inside them
+
+
+def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """The forward launcher: silu(gate) * up, fused. gate, up: (..., I) of one shape; rows may be strided (e.g. the
     two halves of one combined gate/up projection), the last dimension must be contiguous. Returns a new contiguous
-    tensor. No autograd: models call :func:`swiglu`."""
+    tensor. No autograd: models call :func:`swiglu`. ``config`` overrides :func:`config`'s BLOCK and num_warps: a
+    knob for sweeps (benchmarks/bench_fusion.py)."""
     _check(gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     if out.numel() == 0:
         return out
     n_cols = gate.shape[-1]
     gate2d, up2d = _rows(gate, n_cols), _rows(up, n_cols)
-    meta = config(n_cols)
+    meta = _default_config(n_cols) if config is None else tuned("swiglu", _default_config(n_cols), config)
     launch(
         _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, meta["BLOCK"]),),
         gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols,

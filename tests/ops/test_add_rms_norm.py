@@ -101,3 +101,25 @@ def test_add_rms_norm_weight_gradient_of_no_rows_is_zero():
     normed, _ = ops.add_rms_norm(randn(0, 16), randn(0, 16), weight)
     normed.sum().backward()
     assert torch.equal(weight.grad, torch.zeros_like(weight))
+
+
+@pytest.mark.parametrize("config", [dict(num_warps=1), dict(BLOCK=128, ONE_PASS=False), dict(BLOCK=1024, ONE_PASS=True)])
+def test_add_rms_norm_config_knob_sweeps_without_changing_the_result(config, dtype):
+    # The sweeps in benchmarks/bench_fusion.py (warps, one pass against two) and lesson 01 go through this knob.
+    from lessonlib.ops.add_rms_norm import add_rms_norm_forward
+
+    x, residual, weight = randn(3, 700, dtype=dtype), randn(3, 700, dtype=dtype, scale=4), randn(700, dtype=dtype)
+    with poisoned_outputs():
+        out, residual_out = add_rms_norm_forward(x, residual, weight, 1e-5, config=config)
+    low = reference.add_rms_norm(x, residual, weight, eps=1e-5)
+    check_close("add_rms_norm", out, reference.add_rms_norm(*to_float64(x, residual, weight), eps=1e-5)[0], low[0])
+    torch.testing.assert_close(residual_out, low[1], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("config, message", [(dict(BLOCK=256, ONE_PASS=True), "ONE_PASS needs BLOCK >= H"),
+                                             (dict(BLOCK=300), "power of 2"), (dict(programs=2), "unknown")])
+def test_add_rms_norm_config_knob_rejects_bad_settings(config, message):
+    from lessonlib.ops.add_rms_norm import add_rms_norm_forward
+
+    with pytest.raises(ValueError, match=message):
+        add_rms_norm_forward(randn(2, 700), randn(2, 700), randn(700), config=config)

@@ -88,3 +88,22 @@ def test_swiglu_without_grad_takes_the_launcher_and_with_grad_the_custom_op():
     assert ops.swiglu(gate, up).grad_fn is None
     out = ops.swiglu(gate.requires_grad_(), up)
     assert out.grad_fn is not None and out.requires_grad
+
+
+@pytest.mark.parametrize("config", [dict(BLOCK=64, num_warps=1), dict(BLOCK=256), dict(num_warps=2)])
+def test_swiglu_config_knob_sweeps_tiles_without_changing_the_result(config, dtype):
+    # The sweep in benchmarks/bench_fusion.py goes through this knob, never through the private kernel.
+    from lessonlib.ops.swiglu import swiglu_forward
+
+    gate, up = randn(5, 300, dtype=dtype, scale=3), randn(5, 300, dtype=dtype)
+    with poisoned_outputs():
+        out = swiglu_forward(gate, up, config=config)
+    check_close("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up))
+
+
+@pytest.mark.parametrize("config, message", [(dict(BLOCK=100), "power of 2"), (dict(ONE_PASS=True), "unknown")])
+def test_swiglu_config_knob_rejects_bad_settings(config, message):
+    from lessonlib.ops.swiglu import swiglu_forward
+
+    with pytest.raises(ValueError, match=message):
+        swiglu_forward(randn(2, 64), randn(2, 64), config=config)
