@@ -44,6 +44,26 @@ ELEMENTS_PER_WARP = 2048
 
 
 @triton.jit
+def _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype: tl.constexpr):
+    """h = x + residual on these columns, stored as the updated residual; returned in float32. The sum is rounded
+    to the input dtype first: that *is* the residual stream, and the statistics are taken over it, exactly as the
+    reference does."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    h = (x + r).to(dtype)
+    tl.store(residual_out_ptr + cols, h, mask=mask)
+    return h.to(tl.float32)
+
+
+@triton.jit
+def _normalize(h, rstd, weight_ptr, out_ptr, cols, mask, dtype: tl.constexpr):
+    """weight * (h * rstd) on these columns, stored; h * rstd is rounded to the dtype first, as the reference does."""
+    w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
+    out = (h * rstd).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
 def _add_rms_norm_kernel(
     x_ptr,  # (n_rows, n_cols), rows stride_x_row apart
     residual_ptr,  # (n_rows, n_cols), rows stride_residual_row apart
@@ -67,28 +87,16 @@ def _add_rms_norm_kernel(
     if ONE_PASS:
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
-        x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        # Round the sum to the input dtype first: that *is* the residual stream, and the statistics are
-        # taken over it, exactly as the reference does.
-        h = (x + r).to(dtype)
-        tl.store(residual_out_ptr + cols, h, mask=mask)
-        h = h.to(tl.float32)
+        h = _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype)
         rstd = tl.rsqrt(tl.sum(h * h, axis=0) / n_cols + eps)
-        w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-        out = (h * rstd).to(dtype).to(tl.float32) * w
-        tl.store(out_ptr + cols, out.to(dtype), mask=mask)
+        _normalize(h, rstd, weight_ptr, out_ptr, cols, mask, dtype)
     else:
         # Pass 1: write the updated residual, accumulate the sum of squares.
         sum_sq = tl.zeros([BLOCK], dtype=tl.float32)
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
-            x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            h = (x + r).to(dtype)
-            tl.store(residual_out_ptr + cols, h, mask=mask)
-            h = h.to(tl.float32)
+            h = _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype)
             sum_sq += h * h
         rstd = tl.rsqrt(tl.sum(sum_sq, axis=0) / n_cols + eps)
         tl.debug_barrier()  # pass 2 reads back what pass 1 stored
@@ -97,9 +105,7 @@ def _add_rms_norm_kernel(
             cols = start + tl.arange(0, BLOCK)
             mask = cols < n_cols
             h = tl.load(residual_out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
-            out = (h * rstd).to(dtype).to(tl.float32) * w
-            tl.store(out_ptr + cols, out.to(dtype), mask=mask)
+            _normalize(h, rstd, weight_ptr, out_ptr, cols, mask, dtype)
 
 
 @triton.jit

@@ -46,6 +46,18 @@ def _exp(x, PRECISE: tl.constexpr):
 
 
 @triton.jit
+def _online_softmax_step(m, l, acc, scores, v, PRECISE_EXP: tl.constexpr, INPUT_PRECISION: tl.constexpr):
+    """One tile of keys folded into the running (max, sum, output) of each query row: lesson 02's online softmax.
+    ``scores`` (rows, tokens) with -inf where a key is not visible; ``v`` (tokens, D). Returns the new m, l, acc."""
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = _exp(m - m_new, PRECISE_EXP)
+    p = _exp(scores - m_new[:, None], PRECISE_EXP)
+    l = l * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
+    return m_new, l, acc
+
+
+@triton.jit
 def _paged_attention_split_kernel(
     q_ptr,  # (B, H, D), rows contiguous
     k_cache_ptr, v_cache_ptr,  # (num_blocks, block_size, Hkv, D) contiguous
@@ -97,12 +109,7 @@ def _paged_attention_split_kernel(
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, tokens)
         valid = in_split & ((logical * PAGE_SIZE + j) < seq_len)
         scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = _exp(m - m_new, PRECISE_EXP)
-        p = _exp(scores - m_new[:, None], PRECISE_EXP)
-        l = l * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m = m_new
+        m, l, acc = _online_softmax_step(m, l, acc, scores, v, PRECISE_EXP, INPUT_PRECISION)
 
     row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split  # index into (B, H, num_splits)
     tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])

@@ -21,7 +21,7 @@ import triton.language as tl
 from lessonlib import runtime
 from lessonlib.ops._common import check_tensors, first_that_fits, launch, refuse_gradient
 from lessonlib.ops.flash_attention import forward_shared_memory
-from lessonlib.ops.paged_attention import HEAD_DIMS, _check_tables, _exp
+from lessonlib.ops.paged_attention import HEAD_DIMS, _check_tables, _online_softmax_step
 
 
 @triton.jit
@@ -77,12 +77,7 @@ def _paged_prefill_attention_kernel(
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_M, BLOCK_N)
         visible = in_seq[None, :] & (keys[None, :] <= context + offs_m[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = _exp(m_i - m_new, PRECISE_EXP)
-        p = _exp(s - m_new[:, None], PRECISE_EXP)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, PRECISE_EXP, INPUT_PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # every real row sees key 0 at least: l_i > 0 there
     heads = tl.num_programs(2)

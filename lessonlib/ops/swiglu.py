@@ -27,6 +27,17 @@ BLOCK = 2048
 
 
 @triton.jit
+def _this_programs_block(n_cols, BLOCK: tl.constexpr):
+    """This program's row and BLOCK columns. A 1-D grid walked row by row: programs launched together touch
+    neighbouring memory. (A 2-D grid of (rows, column blocks) sends them to different rows instead.)"""
+    pid = tl.program_id(0)
+    blocks_per_row = tl.cdiv(n_cols, BLOCK)
+    row = (pid // blocks_per_row).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
+    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
+    return row, cols, cols < n_cols
+
+
+@triton.jit
 def _swiglu_kernel(
     gate_ptr,  # (n_rows, n_cols), rows stride_gate_row apart, columns contiguous
     up_ptr,  # (n_rows, n_cols), rows stride_up_row apart, columns contiguous
@@ -37,13 +48,7 @@ def _swiglu_kernel(
     stride_out_row,
     BLOCK: tl.constexpr,  # columns per program
 ):
-    # A 1-D grid walked row by row: programs launched together touch neighbouring memory. (A 2-D grid of
-    # (rows, column blocks) sends them to different rows instead.)
-    pid = tl.program_id(0)
-    blocks_per_row = tl.cdiv(n_cols, BLOCK)
-    row = (pid // blocks_per_row).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
-    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    row, cols, mask = _this_programs_block(n_cols, BLOCK)
     gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up  # in float32, rounded once on the store
@@ -63,12 +68,7 @@ def _swiglu_backward_kernel(
     stride_up_row,
     BLOCK: tl.constexpr,  # columns per program
 ):
-    # The forward's grid and walk: same tensors, same shape, same reasons.
-    pid = tl.program_id(0)
-    blocks_per_row = tl.cdiv(n_cols, BLOCK)
-    row = (pid // blocks_per_row).to(tl.int64)
-    cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < n_cols
+    row, cols, mask = _this_programs_block(n_cols, BLOCK)  # the forward's grid and walk
     grad = tl.load(grad_ptr + row * stride_grad_row + cols, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
