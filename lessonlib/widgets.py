@@ -219,3 +219,36 @@ def kv_reservation_explorer(lengths):
     view = w.interactive(show_kv_reservation, lengths=w.fixed(lengths), **controls)
     view.controls = controls
     return view
+
+
+def show_recorded_vs_live(recorded, case: str, measure_here: bool = False, live_cache: dict | None = None) -> dict:
+    """One of lesson 01's fused ops at one recorded shape: the recorded run's GB/s for eager, torch.compile and
+    lessonlib, and with ``measure_here`` the same three measured now on this GPU (kept in ``live_cache``, so moving
+    back to a case does not measure it again). Without a GPU the recorded run is shown alone, and says why."""
+    from lessonlib import measured, runtime
+
+    op, shape = measured.cases(recorded)[case]
+    live = None
+    if measure_here and not runtime.on_gpu():
+        print("measuring here needs a GPU: this machine runs Triton's interpreter, whose timings say nothing of a GPU")
+    elif measure_here:
+        cache = live_cache if live_cache is not None else {}
+        live = cache[case] = cache.get(case) or measured.live_gbps(op, shape)
+    plots.recorded_vs_live(recorded, op, shape, live)
+    plt.show()
+    return {"op": op, "shape": shape, "recorded": measured.recorded_gbps(recorded, op, shape), "live": live}
+
+
+def recorded_vs_live_explorer(recorded, case: str | None = None):
+    """Pick an op and a shape of the recorded run; tick "measure here" on a GPU to time the same three
+    implementations on it, beside the recorded numbers."""
+    import ipywidgets as w
+
+    from lessonlib import measured
+
+    options = list(measured.cases(recorded))
+    controls = {"case": w.Dropdown(options=options, value=case or options[-1], description="op, shape"),
+                "measure_here": w.Checkbox(value=False, description="measure here")}
+    view = w.interactive(show_recorded_vs_live, recorded=w.fixed(recorded), live_cache=w.fixed({}), **controls)
+    view.controls = controls
+    return view

@@ -7,7 +7,7 @@ import numpy as np
 
 from lessonlib.results import Impl, Op, Regime, Results
 from lessonlib.traffic import OpTraffic
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks, shape_text
 
 
 def traffic_bars(op: OpTraffic, ax=None):
@@ -166,3 +166,25 @@ def launch_counts(counts: dict[str, dict[str, int]], title: str, ax=None):
     ax.set_title(title)
     ax.legend(fontsize=8)
     return finish(fig)
+
+
+def recorded_vs_live(results: Results, op: str, shape: dict, live: dict | None = None):
+    """GB/s of eager, torch.compile and lessonlib for ``op`` at ``shape``: the recorded run, and beside it on its own
+    axis (another GPU, another scale) the student's ``live`` {impl: GB/s}, where measured."""
+    from lessonlib.measured import IMPLS, recorded_gbps
+
+    panels = [(recorded_gbps(results, op, shape), f"recorded on {results.environment['gpu']}", None)]
+    if live:
+        panels.append((live, f"measured now on your GPU ({gpu_name()})", "//"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.0), squeeze=False)
+    for ax, (values, where, hatch) in zip(axes[0], panels):
+        shown = [i for i in IMPLS if i in values]
+        bars = ax.bar(range(len(shown)), [values[i] for i in shown], width=0.6, hatch=hatch,
+                      color=[IMPL_COLORS[i] for i in shown], edgecolor="white" if hatch else None)
+        for b, i in zip(bars, shown):
+            ax.text(b.get_x() + b.get_width() / 2, values[i], f"{values[i]:,.0f}", ha="center", va="bottom", fontsize=9)
+        ax.set_xticks(range(len(shown)), shown)
+        ax.set_ylim(0, max(values.values()) * 1.15)
+        ax.set_ylabel("GB/s (the fused kernel's bytes)")
+        ax.set_title(f"{op} at {shape_text(shape)}: {where}", fontsize=9)
+    return finish(fig, results.provenance())

@@ -1,0 +1,83 @@
+"""The recorded GPU run beside the student's own: lesson 01's fused ops (swiglu, add_rms_norm, apply_rope), at a
+shape the recorded run holds, timed here for eager PyTorch, torch.compile and lessonlib. As in the benchmarks,
+lessonlib's output is checked against float64 before anything is timed."""
+
+from __future__ import annotations
+
+import torch
+
+from lessonlib import ops, reference, runtime, traffic
+from lessonlib.results import Impl, Op, Results, is_sweep
+
+FUSED_OPS = (Op.SWIGLU, Op.ADD_RMS_NORM, Op.APPLY_ROPE)
+IMPLS = (Impl.EAGER, Impl.COMPILE, Impl.LESSONLIB)
+
+
+def _timed_like_live(record: dict) -> bool:
+    """Records timed as ``live_gbps`` times (``measure.time_fn``): not a sweep, not the per-call regime (calls in a
+    Python loop, launch overhead included: lesson 01's per-call figure)."""
+    return record["impl"] in IMPLS and not is_sweep(record["impl"]) and "regime" not in record
+
+
+def cases(recorded: Results) -> dict[str, tuple[str, dict]]:
+    """Every (op, shape) of FUSED_OPS the recorded run timed for all of IMPLS as ``live_gbps`` times them, by a
+    label such as "swiglu, T=8192"."""
+    found = {}
+    for op in FUSED_OPS:
+        shapes = [r["shape"] for r in recorded.select(op=op, impl=Impl.LESSONLIB) if _timed_like_live(r)]
+        for shape in sorted(shapes, key=lambda s: s["T"]):
+            if set(recorded_gbps(recorded, op, shape)) == set(IMPLS):
+                found[f"{op}, T={shape['T']}"] = (op, shape)
+    return found
+
+
+def recorded_gbps(recorded: Results, op: str, shape: dict) -> dict[str, float]:
+    """GB/s of each implementation at this op and shape in the recorded run."""
+    return {r["impl"]: r["gbps"] for r in recorded.select(op=op, **shape) if _timed_like_live(r)}
+
+
+def _inputs(op: str, shape: dict, dtype: torch.dtype) -> tuple:
+    device = runtime.device()
+
+    def randn(*size):
+        return torch.randn(*size, device=device, dtype=dtype)
+
+    if op == Op.SWIGLU:
+        return randn(shape["T"], shape["I"]), randn(shape["T"], shape["I"])
+    if op == Op.ADD_RMS_NORM:
+        return randn(shape["T"], shape["H"]), randn(shape["T"], shape["H"]), randn(shape["H"])
+    b, h, hkv, t, d = (shape[k] for k in ("B", "H", "Hkv", "T", "D"))
+    angles = torch.rand(t, d // 2, device=device, dtype=torch.float32) * 6.28
+    cos, sin = (torch.cat([f(angles)] * 2, dim=-1).to(dtype) for f in (torch.cos, torch.sin))
+    return randn(b, h, t, d), randn(b, hkv, t, d), cos, sin
+
+
+def _fused_bytes(op: str, shape: dict, itemsize: int) -> int:
+    if op == Op.SWIGLU:
+        return traffic.swiglu(shape["T"], shape["I"], itemsize).fused.bytes
+    if op == Op.ADD_RMS_NORM:
+        return traffic.add_rms_norm(shape["T"], shape["H"], itemsize).fused.bytes
+    return traffic.apply_rope(shape["B"], shape["H"], shape["Hkv"], shape["T"], shape["D"], itemsize).fused.bytes
+
+
+def live_gbps(op: str, shape: dict) -> dict[str, float]:
+    """GB/s of each implementation of ``op`` at ``shape``, measured on this GPU in ``runtime.dtype()`` (the bytes:
+    the fused kernel's, as the recorded run counts them). Raises RuntimeError without a GPU: the interpreter's
+    timings say nothing about a GPU."""
+    from lessonlib.measure import time_fn
+    from lessonlib.testing import check_close, to_float64
+
+    if op not in FUSED_OPS:
+        raise ValueError(f"live_gbps: op must be one of {FUSED_OPS}, got {op!r}")
+    if not runtime.on_gpu():
+        raise RuntimeError("live_gbps: measuring needs a GPU (Triton's interpreter times Python, not a kernel)")
+    dtype = runtime.dtype()
+    args = _inputs(op, shape, dtype)
+    fns = {Impl.EAGER: getattr(reference, op), Impl.COMPILE: torch.compile(getattr(reference, op), dynamic=False),
+           Impl.LESSONLIB: getattr(ops, op)}
+    outs, truths, lows = (fns[Impl.LESSONLIB](*args), getattr(reference, op)(*to_float64(*args)),
+                          getattr(reference, op)(*args))
+    for i, (out, truth, low) in enumerate(zip(*(o if isinstance(o, tuple) else (o,) for o in (outs, truths, lows)))):
+        check_close(f"{op} output {i}", out, truth, low)
+    nbytes = _fused_bytes(op, shape, torch.finfo(dtype).bits // 8)
+    return {impl: nbytes / (time_fn(fn, *args).median_us * 1e-6) / 1e9 for impl, fn in fns.items()}
