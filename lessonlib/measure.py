@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lessonlib import runtime
-from lessonlib.results import Ceilings
+from lessonlib.results import Ceilings, Impl
 
 
 @dataclass(frozen=True)
@@ -196,7 +196,7 @@ def compare_bandwidth(impls: dict, *args, nbytes: int) -> dict[str, float]:
     """GB/s of each ``impls[name](*args)``, counting ``nbytes`` (the fewest bytes the op must move), plus a plain
     device copy of the same number of bytes: the practical ceiling at this size."""
     out = {name: gbps(nbytes, time_fn(fn, *args)) for name, fn in impls.items()}
-    out["copy (same bytes)"] = gbps(nbytes, time_copy(nbytes))
+    out[Impl.COPY] = gbps(nbytes, time_copy(nbytes))
     return out
 
 

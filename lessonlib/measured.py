@@ -61,10 +61,10 @@ def _fused_bytes(op: str, shape: dict, itemsize: int) -> int:
 
 
 def live_gbps(op: str, shape: dict) -> dict[str, float]:
-    """GB/s of each implementation of ``op`` at ``shape``, measured on this GPU in ``runtime.dtype()`` (the bytes:
-    the fused kernel's, as the recorded run counts them). Raises RuntimeError without a GPU: the interpreter's
-    timings say nothing about a GPU."""
-    from lessonlib.measure import time_fn
+    """GB/s of each implementation of ``op`` at ``shape``, and of a copy of the same bytes (``Impl.COPY``, this
+    GPU's ceiling), measured on this GPU in ``runtime.dtype()`` (the bytes: the fused kernel's, as the recorded run
+    counts them). Raises RuntimeError without a GPU: the interpreter's timings say nothing about a GPU."""
+    from lessonlib.measure import compare_bandwidth
     from lessonlib.testing import check_close, to_float64
 
     if op not in FUSED_OPS:
@@ -80,4 +80,4 @@ def live_gbps(op: str, shape: dict) -> dict[str, float]:
     for i, (out, truth, low) in enumerate(zip(*(o if isinstance(o, tuple) else (o,) for o in (outs, truths, lows)))):
         check_close(f"{op} output {i}", out, truth, low)
     nbytes = _fused_bytes(op, shape, torch.finfo(dtype).bits // 8)
-    return {impl: nbytes / (time_fn(fn, *args).median_us * 1e-6) / 1e9 for impl, fn in fns.items()}
+    return compare_bandwidth(fns, *args, nbytes=nbytes)

@@ -234,7 +234,7 @@ def show_recorded_vs_live(recorded, case: str, measure_here: bool = False, live_
     elif measure_here:
         cache = live_cache if live_cache is not None else {}
         live = cache[case] = cache.get(case) or measured.live_gbps(op, shape)
-    plots.recorded_vs_live(recorded, op, shape, live)
+    plots.bandwidth(recorded, op, shape, live=live)
     plt.show()
     return {"op": op, "shape": shape, "recorded": measured.recorded_gbps(recorded, op, shape), "live": live}
 

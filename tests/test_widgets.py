@@ -48,10 +48,12 @@ def test_recorded_vs_live_shows_the_recorded_run_and_measures_only_on_a_gpu(caps
                                        ("apply_rope", {"B": 1, "H": 4, "Hkv": 2, "T": 7, "D": 16})])
 def test_live_gbps_checks_then_times_each_implementation(monkeypatch, op, shape):
     """The GPU path, run in the interpreter: lessonlib's output is checked against float64 first, then each
-    implementation is timed (a stand-in timer here) and turned into GB/s of the fused kernel's bytes."""
+    implementation is timed (a stand-in timer here), with a copy of the same bytes, and turned into GB/s of the
+    fused kernel's bytes."""
     import torch
 
     from lessonlib import measure, measured, runtime
+    from lessonlib.results import Impl
 
     timed = []
     monkeypatch.setattr(runtime, "on_gpu", lambda: True)
@@ -59,4 +61,4 @@ def test_live_gbps_checks_then_times_each_implementation(monkeypatch, op, shape)
     monkeypatch.setattr(measure, "time_fn", lambda fn, *args: timed.append(fn) or measure.Timing(2.0, True))
     got = measured.live_gbps(op, shape)
     nbytes = measured._fused_bytes(op, shape, torch.finfo(runtime.dtype()).bits // 8)
-    assert got == {impl: nbytes / 2e-6 / 1e9 for impl in measured.IMPLS} and len(timed) == 3
+    assert got == {impl: nbytes / 2e-6 / 1e9 for impl in (*measured.IMPLS, Impl.COPY)} and len(timed) == 4

@@ -7,7 +7,7 @@ import numpy as np
 
 from lessonlib.results import Impl, Op, Regime, Results
 from lessonlib.traffic import OpTraffic
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks, shape_text
+from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
 
 
 def traffic_bars(op: OpTraffic, ax=None):
@@ -41,7 +41,8 @@ def bandwidth(results: Results, op: str, shape: dict, ceiling_gbs: float | None 
         live_ax = None
     impls = [Impl.EAGER, Impl.COMPILE, Impl.LESSONLIB, Impl.COPY]
     recs = {r["impl"]: r for r in results.select(op=op, **shape) if "regime" not in r}
-    recs[Impl.COPY] = results.one(op=Op.COPY, **shape)
+    recs.update({r["impl"]: r for r in results.select(op=Op.COPY, **shape)})  # a copy bar where the run timed one
+    impls = [i for i in impls if i in recs]
     _bandwidth_bars(ax, impls, {i: recs[i]["gbps"] for i in impls}, ceiling_gbs or results.ceilings["bandwidth_gbs"],
                     f"recorded on {results.environment['gpu']}")
     ax.set_title(f"{op} at " + ", ".join(f"{k}={v}" for k, v in shape.items()) + f", {recs['lessonlib']['dtype']}: "
@@ -167,24 +168,3 @@ def launch_counts(counts: dict[str, dict[str, int]], title: str, ax=None):
     ax.legend(fontsize=8)
     return finish(fig)
 
-
-def recorded_vs_live(results: Results, op: str, shape: dict, live: dict | None = None):
-    """GB/s of eager, torch.compile and lessonlib for ``op`` at ``shape``: the recorded run, and beside it on its own
-    axis (another GPU, another scale) the student's ``live`` {impl: GB/s}, where measured."""
-    from lessonlib.measured import IMPLS, recorded_gbps
-
-    panels = [(recorded_gbps(results, op, shape), f"recorded on {results.environment['gpu']}", None)]
-    if live:
-        panels.append((live, f"measured now on your GPU ({gpu_name()})", "//"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.0), squeeze=False)
-    for ax, (values, where, hatch) in zip(axes[0], panels):
-        shown = [i for i in IMPLS if i in values]
-        bars = ax.bar(range(len(shown)), [values[i] for i in shown], width=0.6, hatch=hatch,
-                      color=[IMPL_COLORS[i] for i in shown], edgecolor="white" if hatch else None)
-        for b, i in zip(bars, shown):
-            ax.text(b.get_x() + b.get_width() / 2, values[i], f"{values[i]:,.0f}", ha="center", va="bottom", fontsize=9)
-        ax.set_xticks(range(len(shown)), shown)
-        ax.set_ylim(0, max(values.values()) * 1.15)
-        ax.set_ylabel("GB/s (the fused kernel's bytes)")
-        ax.set_title(f"{op} at {shape_text(shape)}: {where}", fontsize=9)
-    return finish(fig, results.provenance())
