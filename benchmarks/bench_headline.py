@@ -89,10 +89,18 @@ def paged_cases(dtype, smoke):
         k = k_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
         v = v_cache[table.long()].reshape(batch, context, kv_heads, head_dim).transpose(1, 2).contiguous()
         nbytes = 2 * k.numel() * k.element_size()
-        for impl, fn in ((Impl.LESSONLIB, lambda: ops.paged_attention(*args, validate=False)),
-                         (Impl.SDPA_CONTIGUOUS, lambda: sdpa.scaled_dot_product_attention(q[:, :, None], k, v))):
-            timing = time_graph(fn) if runtime.on_gpu() else time_fn(fn)
-            yield Op.PAGED_ATTENTION, shape, impl, {"graph_gbps": gbps(nbytes, timing)}
+        peers = {Impl.LESSONLIB: lambda: ops.paged_attention(*args, validate=False),
+                 Impl.SDPA_CONTIGUOUS: lambda: sdpa.scaled_dot_product_attention(q[:, :, None], k, v)}
+        # Two rounds, the second in reverse order (A B, then B A), each peer's better round kept. With one round,
+        # lessonlib's kernel, timed first after the FlashAttention cases, ran at 0.90x its figure in
+        # bench_paged_attention's own run (sessions 5 and 7) while SDPA, timed second, matched its own.
+        best = dict.fromkeys(peers, 0.0)
+        for order in (list(peers), list(peers)[::-1]):
+            for impl in order:
+                timing = time_graph(peers[impl]) if runtime.on_gpu() else time_fn(peers[impl])
+                best[impl] = max(best[impl], gbps(nbytes, timing))
+        for impl, value in best.items():
+            yield Op.PAGED_ATTENTION, shape, impl, {"graph_gbps": value}
 
 
 def read_cases(dtype, smoke):

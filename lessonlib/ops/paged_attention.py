@@ -209,33 +209,46 @@ def _check_tables(block_table, seq_lens, num_blocks, block_size) -> None:
         raise ValueError(f"paged_attention: the block table points outside the pool of {num_blocks} blocks")
 
 
+def check_cache(op: str, q, k_cache, v_cache, q_layout: str, min_block_size: int) -> tuple[int, int]:
+    """The checks every paged kernel makes on q (``q_layout``: its 3 dims' names) and the K/V pools; returns
+    (num_blocks, block_size)."""
+    check_tensors(op, q=q, k_cache=k_cache, v_cache=v_cache)
+    if q.dim() != 3:
+        raise ValueError(f"{op}: q must be {q_layout}, got {tuple(q.shape)}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(f"{op}: k_cache and v_cache must be (num_blocks, block_size, Hkv, D) and alike, "
+                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    _, heads, head_dim = q.shape
+    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
+    if cache_dim != head_dim:
+        raise ValueError(f"{op}: q has head_dim {head_dim}, the cache {cache_dim}")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{op}: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if heads % kv_heads:
+        raise ValueError(f"{op}: {heads} query heads is not a multiple of {kv_heads} KV heads")
+    if block_size < min_block_size or block_size & (block_size - 1):
+        raise ValueError(f"{op}: block_size must be a power of two, at least {min_block_size}, got {block_size}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
+    return num_blocks, block_size
+
+
+def check_int32_rows(op: str, device, **tensors: tuple) -> None:
+    """Each of ``tensors`` (name=(tensor, dims, rows)) is an int32 tensor of that many dims and rows on ``device``."""
+    for name, (t, ndim, rows) in tensors.items():
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != rows:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(f"{op}: {name} must be an int32 tensor with {ndim} dims and {rows} rows, got {got}")
+        if t.device != device:
+            raise ValueError(f"{op}: {name} is on {t.device}, q on {device}")
+
+
 def check_inputs(q, k_cache, v_cache, block_table, seq_lens, *, validate: bool = True) -> None:
     """Every check :func:`paged_attention` makes before launching; ``validate=False`` skips the two that read
     block_table and seq_lens on the device (see paged_attention)."""
-    check_tensors("paged_attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    if q.dim() != 3:
-        raise ValueError(f"paged_attention: q must be (B, H, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"paged_attention: k_cache and v_cache must be (num_blocks, block_size, Hkv, D) and alike, "
-                         f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    batch, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim:
-        raise ValueError(f"paged_attention: q has head_dim {head_dim}, the cache {cache_dim}")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"paged_attention: head_dim must be one of {HEAD_DIMS}, got {head_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"paged_attention: {heads} query heads is not a multiple of {kv_heads} KV heads")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"paged_attention: block_size must be a power of two, at least 16, got {block_size}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_attention: k_cache and v_cache must be contiguous")
-    for name, t, ndim in (("block_table", block_table, 2), ("seq_lens", seq_lens, 1)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != batch:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"paged_attention: {name} must be an int32 tensor with {ndim} dims and {batch} rows, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"paged_attention: {name} is on {t.device}, q on {q.device}")
+    num_blocks, block_size = check_cache("paged_attention", q, k_cache, v_cache, "(B, H, D)", min_block_size=16)
+    batch = q.shape[0]
+    check_int32_rows("paged_attention", q.device, block_table=(block_table, 2, batch), seq_lens=(seq_lens, 1, batch))
     if validate:
         _check_tables(block_table, seq_lens, num_blocks, block_size)
 

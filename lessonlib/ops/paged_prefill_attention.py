@@ -19,9 +19,9 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, first_that_fits, launch, refuse_gradient
+from lessonlib.ops._common import first_that_fits, launch, refuse_gradient
 from lessonlib.ops.flash_attention import forward_shared_memory
-from lessonlib.ops.paged_attention import HEAD_DIMS, _check_tables, _online_softmax_step
+from lessonlib.ops.paged_attention import _check_tables, _online_softmax_step, check_cache, check_int32_rows
 
 
 @triton.jit
@@ -115,32 +115,12 @@ def shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfile, item
 
 def check_inputs(q, k_cache, v_cache, block_table, seq_lens, query_starts, max_query_len, *, validate=True) -> None:
     """Every check :func:`paged_prefill_attention` makes before launching."""
-    check_tensors("paged_prefill_attention", q=q, k_cache=k_cache, v_cache=v_cache)
-    if q.dim() != 3:
-        raise ValueError(f"paged_prefill_attention: q must be (T, H, D), got {tuple(q.shape)}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError("paged_prefill_attention: k_cache and v_cache must be (num_blocks, block_size, Hkv, D) and "
-                         f"alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    tokens, heads, head_dim = q.shape
-    num_blocks, block_size, kv_heads, cache_dim = k_cache.shape
-    if cache_dim != head_dim or head_dim not in HEAD_DIMS:
-        raise ValueError(f"paged_prefill_attention: head_dim must be one of {HEAD_DIMS} and match the cache; q has "
-                         f"{head_dim}, the cache {cache_dim}")
-    if heads % kv_heads:
-        raise ValueError(f"paged_prefill_attention: {heads} query heads is not a multiple of {kv_heads} KV heads")
-    if block_size < 1 or block_size & (block_size - 1):
-        raise ValueError(f"paged_prefill_attention: block_size must be a power of two, got {block_size}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("paged_prefill_attention: k_cache and v_cache must be contiguous")
+    num_blocks, block_size = check_cache("paged_prefill_attention", q, k_cache, v_cache, "(T, H, D)",
+                                          min_block_size=1)
+    tokens = q.shape[0]
     batch = block_table.shape[0] if isinstance(block_table, torch.Tensor) else -1
-    for name, t, ndim, rows in (("block_table", block_table, 2, batch), ("seq_lens", seq_lens, 1, batch),
-                                ("query_starts", query_starts, 1, batch + 1)):
-        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != ndim or t.shape[0] != rows:
-            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise TypeError(f"paged_prefill_attention: {name} must be an int32 tensor with {ndim} dims and {rows} "
-                            f"rows, got {got}")
-        if t.device != q.device:
-            raise ValueError(f"paged_prefill_attention: {name} is on {t.device}, q on {q.device}")
+    check_int32_rows("paged_prefill_attention", q.device, block_table=(block_table, 2, batch),
+                     seq_lens=(seq_lens, 1, batch), query_starts=(query_starts, 1, batch + 1))
     if not isinstance(max_query_len, int) or max_query_len < 1:
         raise ValueError(f"paged_prefill_attention: max_query_len must be a positive int, got {max_query_len!r}")
     if validate:  # one device sync: the packing must cover q exactly and every sequence hold its new tokens
