@@ -103,9 +103,9 @@ def check_logits(llm: LLM, truth_model, low_model, prompts, steps: int) -> dict:
 
     def recording(run):
         def wrapped(seqs):
-            logits = run(seqs)
-            captured.append(logits.float().clone())
-            return logits
+            out = run(seqs)
+            captured.append(out.logits.float().clone())
+            return out
         return wrapped
 
     llm.runner.prefill, llm.runner.decode = recording(prefill), recording(decode)
@@ -178,7 +178,7 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
                               for _, layer in layers for w in (layer.input_norm, layer.post_attention_norm)]
             + [ops.add_rms_norm(x, x, model.norm, model.config.rms_norm_eps)],
             "embedding and output head": lambda: (model.embed_tokens(ids), model.logits(x)),
-            "sampling (greedy)": lambda: logits.argmax(dim=-1),
+            "sampling (greedy)": lambda: ops.argmax(logits),
             "whole step": lambda: model.logits(model(ids, positions, ctx, k, v)),
         }
         with torch.inference_mode():

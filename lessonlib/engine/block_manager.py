@@ -84,14 +84,15 @@ class BlockManager:
     # --- growth (decode) ---------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Room for the K/V of the sequence's last token, the one the next decode step feeds."""
-        return len(seq.block_table) >= self.blocks_for(len(seq)) or self.allocator.can_allocate(1)
+        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or self.allocator.can_allocate(1)
 
     def append(self, seq: Sequence) -> None:
         """Make room for the last token's K/V (a new block when the previous one is full); when that token fills
         its block, register the block in the prefix cache (its K/V are complete once this step has run)."""
-        if len(seq.block_table) < self.blocks_for(len(seq)):
+        n = len(seq.token_ids)
+        if len(seq.block_table) * self.block_size < n:
             seq.block_table.append(self.allocator.allocate())
-        if len(seq) % self.block_size == 0:
+        if n % self.block_size == 0:
             digests = self._digests[seq.seq_id]
             i = len(seq) // self.block_size - 1
             if len(digests) == i:  # a chain with no gap (false once a sequence ran past what was hashed)

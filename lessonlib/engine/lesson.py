@@ -54,7 +54,7 @@ def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 
             cached += sum(seq.num_cached_tokens for seq in seqs)
         for seq in seqs:
             seq.token_ids.append(rng.randrange(1000))
-            if len(seq.output_token_ids) >= stops[seq.seq_id]:
+            if seq.num_output_tokens >= stops[seq.seq_id]:
                 scheduler.finish(seq, "stop")
         reserved = sum(blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) for seq in scheduler.running)
         records.append(SimulatedStep(step, "prefill" if is_prefill else ("decode" if seqs else "idle"),

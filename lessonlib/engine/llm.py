@@ -155,9 +155,9 @@ class LLM:
             seqs, is_prefill = self.scheduler.schedule()
             if not seqs:
                 raise RuntimeError("the scheduler found nothing to run: a request cannot fit the KV cache")
-            logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-            tokens = self.sampler(logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
-                                  [s.params.top_p for s in seqs])
+            out = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+            tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
+                                  [s.params.top_p for s in seqs], greedy=out.greedy)
         except BaseException:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self.sampler.forget(seq.seq_id)
@@ -184,7 +184,7 @@ class LLM:
     def _finish_reason(self, seq: Sequence, token: int) -> str | None:
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
-        if len(seq.output_token_ids) >= seq.params.max_tokens or len(seq) >= self.max_model_len:
+        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
             return "length"
         return None
 

@@ -10,9 +10,27 @@ from __future__ import annotations
 
 import torch
 
-from lessonlib import runtime
+from dataclasses import dataclass
+
+from lessonlib import ops, runtime
 from lessonlib.engine.model import Model, StepContext
 from lessonlib.engine.sequence import Sequence
+
+
+@dataclass
+class StepOutput:
+    """What a step hands the sampler: each row's logits (B, vocab) float32, and the greedy token of each row (B,)
+    int64, computed on the GPU with the logits (inside the captured graph at decode)."""
+
+    logits: torch.Tensor
+    greedy: torch.Tensor
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax. On a GPU ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
+    with one thread block: 40 us for Llama 3's 128,256 logits on the H200); in the interpreter PyTorch's, the same
+    indices (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each."""
+    return ops.argmax(logits) if runtime.on_gpu() else logits.argmax(dim=-1)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -20,6 +38,68 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     A batch runs in the smallest bucket that holds it; at most 15 padding rows at large batch sizes."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sorted(set(sizes) | {max_num_seqs})
+
+
+class DecodeInputs:
+    """A decode step's integer inputs, written on the host into one page-locked buffer per dtype and sent to the
+    GPU in two copies (int64: token ids, positions, cache slots; int32: sequence lengths, block tables). The
+    device buffers are what the captured graphs read, so a replay needs no other input.
+
+    Rows past the batch are padding: token 0 at position 0, its K/V written to the padding block, attending to
+    one token of it. Reusing the host buffers each step is safe because every step ends by reading its sampled
+    tokens back to the host, which waits for the step's copies too.
+    """
+
+    def __init__(self, rows: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device):
+        pinned = device.type == "cuda"
+        self.rows, self.max_blocks, self.pad_block, self.block_size = rows, max_blocks, pad_block, block_size
+        self.host_ints = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pinned)
+        self.host_int32 = torch.zeros(rows * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
+        self.ids, self.positions, self.slots = self.host_ints.numpy()
+        int32 = self.host_int32.numpy()
+        self.lens, self.table = int32[:rows], int32[rows:].reshape(rows, max_blocks)
+        self.device_ints = torch.zeros_like(self.host_ints, device=device)
+        self.device_int32 = torch.zeros_like(self.host_int32, device=device)
+        self._views: dict[int, dict[str, torch.Tensor]] = {}
+        self._pad(rows)
+        self._send()
+
+    def views(self, rows: int) -> dict[str, torch.Tensor]:
+        """The first ``rows`` rows of the device buffers, by StepContext's names."""
+        if rows not in self._views:
+            self._views[rows] = self._make_views(rows)
+        return self._views[rows]
+
+    def _make_views(self, rows: int) -> dict[str, torch.Tensor]:
+        ints, int32 = self.device_ints, self.device_int32
+        return {"input_ids": ints[0, :rows], "positions": ints[1, :rows], "slots": ints[2, :rows],
+                "seq_lens": int32[:rows], "block_table": int32[self.rows:].view(self.rows, self.max_blocks)[:rows]}
+
+    def fill(self, seqs: list[Sequence], rows: int) -> dict[str, torch.Tensor]:
+        """Write each sequence's last token, its position and slot, its length and block table (rows past the batch:
+        padding); send them; return the device views of the first ``rows`` rows."""
+        bs, n = self.block_size, len(seqs)
+        self._pad(rows)
+        lengths = [len(seq.token_ids) for seq in seqs]
+        self.ids[:n] = [seq.token_ids[-1] for seq in seqs]
+        self.lens[:n] = lengths
+        self.positions[:n] = [length - 1 for length in lengths]
+        self.slots[:n] = [seq.block_table[(length - 1) // bs] * bs + (length - 1) % bs for seq, length in zip(seqs, lengths)]
+        for row, seq in zip(self.table, seqs):
+            row[:len(seq.block_table)] = seq.block_table
+        self._send()
+        return self.views(rows)
+
+    def _pad(self, rows: int) -> None:
+        self.ids[:rows] = 0
+        self.positions[:rows] = 0
+        self.slots[:rows] = self.pad_block * self.block_size
+        self.lens[:rows] = 1
+        self.table[:rows] = self.pad_block  # entries past a sequence's blocks are never read
+
+    def _send(self) -> None:
+        self.device_ints.copy_(self.host_ints, non_blocking=True)
+        self.device_int32.copy_(self.host_int32, non_blocking=True)
 
 
 class ModelRunner:
@@ -34,13 +114,14 @@ class ModelRunner:
         self.k_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.v_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.max_blocks = -(-max_model_len // block_size)  # block-table width of every decode step
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.inputs = DecodeInputs(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         if not enforce_eager and runtime.on_gpu():
             self._capture(max_num_seqs)
 
     # --- prefill -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+    def prefill(self, seqs: list[Sequence]) -> StepOutput:
         """Compute every sequence's uncached tokens; return the logits of each one's last token, (B, vocab)."""
         bs = self.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
@@ -61,7 +142,8 @@ class ModelRunner:
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                             self.k_caches, self.v_caches)
         last = self._tensor([end - 1 for end in starts[1:]], torch.int64)
-        return self.model.logits(hidden[last])
+        logits = self.model.logits(hidden[last])
+        return StepOutput(logits, greedy(logits))
 
     def _flash_groups(self, lens: list[int], starts: list[int]) -> list:
         """Prompts of equal length batched into one flash_attention call each."""
@@ -78,71 +160,53 @@ class ModelRunner:
 
     # --- decode ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+    def decode(self, seqs: list[Sequence]) -> StepOutput:
         """One new token per sequence: feed each one's last token; return (B, vocab) logits."""
         batch = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= batch), None)
-        rows = bucket or batch
-        pad = rows - batch
-        bs = self.block_size
-        positions = [len(seq) - 1 for seq in seqs] + [0] * pad
-        ids = [seq.last_token for seq in seqs] + [0] * pad
-        slots = [seq.block_table[p // bs] * bs + p % bs for seq, p in zip(seqs, positions)] + [self.pad_block * bs] * pad
-        lens = [len(seq) for seq in seqs] + [1] * pad
-        table = self._table(seqs, width=self.max_blocks, rows=rows)
+        inputs = self.inputs.fill(seqs, rows=bucket or batch)
         if bucket is None:
-            ctx = StepContext(False, self._tensor(slots, torch.int64), table, self._tensor(lens, torch.int32),
+            ctx = StepContext(False, inputs["slots"], inputs["block_table"], inputs["seq_lens"],
                               decode_splits=None if runtime.on_gpu() else 1)
-            hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), ctx,
-                                self.k_caches, self.v_caches)
-            return self.model.logits(hidden)
-        static = self._static
-        for name, values, dtype in (("input_ids", ids, torch.int64), ("positions", positions, torch.int64),
-                                    ("slots", slots, torch.int64), ("seq_lens", lens, torch.int32)):
-            static[name][:rows].copy_(torch.tensor(values, dtype=dtype), non_blocking=True)
-        static["block_table"][:rows].copy_(table, non_blocking=True)
-        graph, logits = self.graphs[bucket]
+            logits = self.model.logits(self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches,
+                                                  self.v_caches))
+            return StepOutput(logits, greedy(logits))
+        graph, out = self.graphs[bucket]
         graph.replay()
-        return logits[:batch]
+        return StepOutput(out.logits[:batch], out.greedy[:batch])
 
     def _capture(self, max_num_seqs: int) -> None:
         """One graph per batch-size bucket, largest first, all sharing one memory pool (the buckets run one at a
-        time, so their intermediates can share memory). Captured with every row pointing at the padding block."""
-        rows, device = max_num_seqs, self.device
-        self._static = static = {
-            "input_ids": torch.zeros(rows, dtype=torch.int64, device=device),
-            "positions": torch.zeros(rows, dtype=torch.int64, device=device),
-            "slots": torch.full((rows,), self.pad_block * self.block_size, dtype=torch.int64, device=device),
-            "seq_lens": torch.ones(rows, dtype=torch.int32, device=device),
-            "block_table": torch.full((rows, self.max_blocks), self.pad_block, dtype=torch.int32, device=device),
-        }
+        time, so their intermediates can share memory). Each reads its inputs from the first rows of
+        ``self.inputs``' device buffers; captured with every row pointing at the padding block."""
         pool = None
         with torch.inference_mode():
             for batch in reversed(graph_batch_sizes(max_num_seqs)):
-                ctx = StepContext(False, static["slots"][:batch], static["block_table"][:batch], static["seq_lens"][:batch])
+                inputs = self.inputs.views(batch)
+                ctx = StepContext(False, inputs["slots"], inputs["block_table"], inputs["seq_lens"])
 
                 def step():
-                    hidden = self.model(static["input_ids"][:batch], static["positions"][:batch], ctx,
-                                        self.k_caches, self.v_caches)
-                    return self.model.logits(hidden)
+                    hidden = self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches, self.v_caches)
+                    logits = self.model.logits(hidden)
+                    return StepOutput(logits, greedy(logits))
 
                 step()  # compiles the kernels for this shape outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    logits = step()
+                    out = step()
                 pool = graph.pool()
-                self.graphs[batch] = (graph, logits)
+                self.graphs[batch] = (graph, out)
         torch.cuda.synchronize()
 
     # --- helpers -----------------------------------------------------------------------------------------------
     def _tensor(self, values, dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _table(self, seqs: list[Sequence], width: int, rows: int | None = None) -> torch.Tensor:
-        """(rows, width) int32 block tables; entries past a sequence's blocks (never read) and padding rows point
-        at the padding block."""
-        table = torch.full((rows or len(seqs), width), self.pad_block, dtype=torch.int32)
+    def _table(self, seqs: list[Sequence], width: int) -> torch.Tensor:
+        """(len(seqs), width) int32 block tables for a prefill step; entries past a sequence's blocks (never read)
+        point at the padding block."""
+        table = torch.full((len(seqs), width), self.pad_block, dtype=torch.int32)
         for i, seq in enumerate(seqs):
             table[i, :len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
         return table.to(self.device, non_blocking=True)

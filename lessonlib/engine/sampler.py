@@ -40,11 +40,13 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], temperatures: list[float],
-                 top_ps: list[float]) -> list[int]:
-        """logits: (B, V) float32. Returns B token ids (one host sync)."""
-        tokens = logits.argmax(dim=-1)  # greedy rows are done; sampled rows overwrite theirs below
+                 top_ps: list[float], greedy: torch.Tensor | None = None) -> list[int]:
+        """logits: (B, V) float32; greedy: (B,) each row's argmax if the step computed it already (the engine's
+        runner does, on the GPU). Returns B token ids (one host sync)."""
+        tokens = logits.argmax(dim=-1) if greedy is None else greedy
         sampled = [i for i, t in enumerate(temperatures) if t > 0]
-        if sampled:
+        if sampled:  # sampled rows overwrite their greedy token (in a copy: greedy may be a graph's output)
+            tokens = tokens.clone()
             rows = torch.tensor(sampled, device=logits.device)
             temperature = torch.tensor([temperatures[i] for i in sampled], device=logits.device)
             top_p = torch.tensor([top_ps[i] for i in sampled], device=logits.device)
