@@ -52,9 +52,8 @@ CLAIMS = (
     Claim("FlashAttention's memory is O(N) instead of O(N²)", False, UNNAMED, "02_flash_attention", "66d71694",
           "§1 The score matrix grows with T²", "live: bytes each call allocates, N=32 and 64", live.linear_memory),
     Claim("fusing the KV-cache write with the K/V transform", True, UNNAMED, "03_paged_attention", "d16831f5",
-          "Exercise 5: RoPE fused with the KV-cache write", "no committed GPU run times it yet",
-          not_measured("lesson 03 checks the fused kernel's output on CPU; no committed GPU run times it against "
-                       "apply_rope + store_kv")),
+          "Exercise 5: RoPE fused with the KV-cache write",
+          "paged-attention-h200: rope_store_kv, ops.rope_store_kv vs apply_rope + store_kv", recorded.rope_kv_write),
     Claim("sidesteps the quadratic memory blow-up", True, UNNAMED, "03_paged_attention", "7304ab0d",
           "§6 What paging does not change", "live: kv_memory's paged and slab reservations, the score matrix's bytes",
           live.paging_quadratic),

@@ -146,3 +146,27 @@ def dropout() -> Verdict:
                "does not hold at any recorded backend")
     return Verdict(measured, verdict + "; not at lessonlib's kernel (no dropout: an inference kernel)"
                    + ("; SDPA math writes the mask out" if Impl.SDPA_MATH in ran else ""))
+
+
+# --- lesson 03: RoPE fused with the KV-cache write (paged-attention-h200, Op.ROPE_STORE_KV) --------------------------
+
+
+def rope_kv_write() -> Verdict:
+    """ops.rope_store_kv against apply_rope then store_kv, per call. Its labels arrive with the op (the ropekv
+    branch): until they and a recorded run are here, the verdict says so."""
+    op, separate = getattr(Op, "ROPE_STORE_KV", None), getattr(Impl, "APPLY_ROPE_THEN_STORE_KV", None)
+    if op is None or separate is None:
+        return Verdict("-", "not measured here (lesson 03's exercise checks a fused kernel's output on CPU; "
+                       "lessonlib has no rope_store_kv op to time yet)")
+    run = committed_run(Benchmark.PAGED_ATTENTION)
+    fused = [] if run is None else [r for r in run.select(op=op, impl=Impl.LESSONLIB) if r["us"] is not None]
+    if not fused:
+        return not_recorded(Benchmark.PAGED_ATTENTION, "rope_store_kv records")
+    cuts = {}
+    for rec in fused:
+        two = run.select(op=op, impl=separate, **rec["shape"])
+        if two and two[0]["us"] is not None:
+            cuts[f"T={rec['shape']['T']:,}/D={rec['shape']['D']}"] = 1 - rec["us"] / two[0]["us"]
+    measured = "one launch against apply_rope + store_kv, per call: " + ", ".join(
+        f"{-cut:+.0%} ({point})" for point, cut in cuts.items())
+    return Verdict(measured, in_range(cuts, 1e-9, 1.0) + " (holds: the fused call is the faster, by any margin)")
