@@ -14,6 +14,10 @@ Where the forward's time goes: ``_forward_variant_kernel`` runs lessonlib's forw
 non-causal target shapes beside lessonlib's own kernel (which the unchanged loop must match): the matrix products
 alone (no softmax: timing only, not attention), rescaling only when a row's maximum grew by more than 2^8
 (FlashAttention-4's trick), and exp2 in 16 bits (twice the elements per special-function instruction).
+
+What attention's kernel absorbs (``Op.ABSORBED``, the claims table of lesson 05): the softmax scale, folded into
+lessonlib's exp2, beside Q scaled in a pass of its own first; and dropout, SDPA at ``dropout_p`` 0 and 0.1 on each
+backend (flash and memory-efficient draw the mask inside the kernel from a seed; math writes scores and mask out).
 ``--smoke`` runs tiny sizes in any mode (it tests this script).
 """
 
@@ -56,6 +60,12 @@ BACKWARD_CONFIGS = [{"dkdv": dict(BLOCK_M=mk, BLOCK_N=nk, num_warps=w, num_stage
 VARIANT_SHAPES, SMOKE_VARIANT_SHAPES = [(2, 32, 4096, 128), (4, 16, 2048, 64)], [(1, 2, 64, 32)]
 DECODE_SHAPES = [(32, 32, n, 128) for n in (1024, 4096, 16384)]  # (batch, heads, KV length, head_dim)
 SMOKE_DECODE_SHAPES = [(2, 4, 64, 32)]
+
+ABSORB_SHAPES, SMOKE_ABSORB_SHAPES = TARGETS[:2], [(1, 1, 24, 32, True)]
+# smoke: odd N, causal, D=32 (the scale 2^-2.5 is inexact, so the pass of its own rounds Q once more)
+DROPOUT_P = 0.1  # a common training value; 0 is timed beside it
+ABSORB_SDPA = {"FLASH_ATTENTION": Impl.SDPA_FLASH, "EFFICIENT_ATTENTION": Impl.SDPA_EFFICIENT,
+               "CUDNN_ATTENTION": Impl.SDPA_CUDNN, "MATH": Impl.SDPA_MATH}
 
 FORWARD_VARIANTS = {0: Impl.LOOP_COPY, 1: Impl.MATMULS_ONLY, 2: Impl.LAZY_RESCALE, 3: Impl.EXP2_16BIT}
 
@@ -273,6 +283,46 @@ def decode_cases(run, shapes, implementations):
                    nbytes=2 * k.numel() * k.element_size(), may_fail=tuple(implementations))
 
 
+def prescaled(q, k, v, causal):
+    """The softmax scale applied as its own pass (Q read, Q * scale written), then lessonlib's kernel with scale 1."""
+    return ops.flash_attention(q * q.shape[-1] ** -0.5, k, v, causal=causal, sm_scale=1.0)
+
+
+def dropout_peers(q, k, v, causal, dropout_p):
+    """SDPA at ``dropout_p`` on each backend (on CPU: as PyTorch chooses, which the smoke run times)."""
+    if not runtime.on_gpu():
+        return {Impl.SDPA: lambda: sdpa.scaled_dot_product_attention(q, k, v, causal, dropout_p=dropout_p)}
+    return {impl: (lambda b=backend: sdpa.scaled_dot_product_attention(q, k, v, causal, backends=(b,),
+                                                                      dropout_p=dropout_p))
+            for backend, impl in ABSORB_SDPA.items()}
+
+
+def absorbed_cases(run, shapes):
+    """What attention's kernel absorbs: the scale (folded into exp2 vs a pass of its own) and dropout (SDPA at
+    dropout_p 0 and DROPOUT_P). lessonlib has no dropout: it is an inference kernel."""
+    for batch, heads, n, head_dim, causal in shapes:
+        q, k, v, one = inputs(run, batch, heads, n, head_dim)
+        shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
+        flops = forward_flops(batch, heads, n, n, head_dim, causal)
+
+        def check(one=one, causal=causal):
+            q1 = one[0] * one[0].shape[-1] ** -0.5  # rounded to the input dtype, as the separate pass stores it
+            check_close("Q pre-scaled, then flash_attention", prescaled(*one, causal),
+                        reference.attention(*to_float64(q1, *one[1:]), causal=causal, sm_scale=1.0),
+                        reference.attention(q1, *one[1:], causal=causal, sm_scale=1.0))
+            kept = sdpa.scaled_dot_product_attention(*one, causal)
+            if torch.equal(sdpa.scaled_dot_product_attention(*one, causal, dropout_p=DROPOUT_P), kept):
+                raise AssertionError(f"SDPA with dropout_p={DROPOUT_P} returned the output without dropout")
+
+        scale_peers = {Impl.LESSONLIB: lambda: ops.flash_attention(q, k, v, causal=causal),
+                       Impl.PRESCALED_Q: lambda: prescaled(q, k, v, causal)}
+        yield Case(Op.ABSORBED, {**shape, "dropout_p": 0.0}, scale_peers, check, flops=flops)
+        for dropout_p in (0.0, DROPOUT_P):
+            peers_ = dropout_peers(q, k, v, causal, dropout_p)
+            yield Case(Op.ABSORBED, {**shape, "dropout_p": dropout_p}, peers_, flops=flops, may_fail=tuple(peers_))
+        del q, k, v
+
+
 def forced_backend_error() -> dict:
     """What SDPA says when a backend is forced onto inputs it cannot take (FlashAttention has no float32 kernel)."""
     q = torch.randn(1, 2, 64, 64, device=runtime.device())
@@ -300,6 +350,7 @@ def main():
                                     for d in (64, 128)}
     run.cases(variant_cases(run, SMOKE_VARIANT_SHAPES if smoke else VARIANT_SHAPES))
     run.cases(decode_cases(run, SMOKE_DECODE_SHAPES if smoke else DECODE_SHAPES, implementations))
+    run.cases(absorbed_cases(run, SMOKE_ABSORB_SHAPES if smoke else ABSORB_SHAPES))
     if runtime.on_gpu():
         run.notes.update(forced_backend_error())
     ceiling_bytes = 1 << (20 if smoke else 32)

@@ -80,6 +80,7 @@ class Op:
     DECODE_STEP_PART = "decode_step_part"
     DECODE_STEP_LIMIT = "decode_step_limit"
     READ = "read"  # headline: the bandwidth a plain read reaches
+    ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
 
 
 class Impl:
@@ -119,6 +120,8 @@ class Impl:
     SDPA_FLASH = "SDPA flash"
     SDPA_CUDNN = "SDPA cudnn"
     SDPA_EFFICIENT = "SDPA efficient"
+    SDPA_MATH = "SDPA math"  # PyTorch's unfused attention: the score matrix (and a dropout mask) in memory
+    PRESCALED_Q = "Q scaled in a pass of its own, then lessonlib"  # vs the scale folded into the kernel's exp2
     LOOP_COPY = "loop copy, unchanged"
     MATMULS_ONLY = "matrix products alone (no softmax)"
     LAZY_RESCALE = "lazy rescale (FlashAttention-4)"

@@ -36,15 +36,17 @@ def _refuse_absent(backends: tuple[str, ...]) -> None:
 
 
 def scaled_dot_product_attention(q, k, v, causal: bool = False, backends: tuple[str, ...] | None = None,
-                                 set_priority: bool = False):
+                                 set_priority: bool = False, dropout_p: float = 0.0):
     """PyTorch's ``F.scaled_dot_product_attention`` on q (B, H, Nq, D), k, v (B, Hkv, Nkv, D), restricted to
     ``backends`` (names of SDPBackend, tried in that order when ``set_priority``); None lets PyTorch choose. GQA
-    through ``enable_gqa``. (The plain-PyTorch attention that tests check against is ``reference.attention``.)"""
+    through ``enable_gqa``. ``dropout_p``: dropout on the attention probabilities (the flash and memory-efficient
+    CUDA kernels draw the mask inside the kernel from a seed; MATH materialises it). (The plain-PyTorch attention
+    that tests check against is ``reference.attention``.)"""
     gqa = q.shape[1] != k.shape[1]
     if backends is None:
         backends = available_backends() if runtime.gpu_profile() is not None and runtime.gpu_profile().emulated_on else None
     if backends is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
     _refuse_absent(tuple(backends))
     backends = [b for b in backends if b in available_backends()]
     if gqa and not any(b in GQA_BACKENDS for b in backends):
@@ -53,7 +55,7 @@ def scaled_dot_product_attention(q, k, v, causal: bool = False, backends: tuple[
         group = q.shape[1] // k.shape[1]
         k, v, gqa = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), False
     with sdpa_kernel([getattr(SDPBackend, b) for b in backends], set_priority=set_priority):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=causal, enable_gqa=gqa)
 
 
 def try_backend(backend: str, q, k, v, causal: bool = False) -> tuple[bool, str]:

@@ -209,3 +209,10 @@ def score_matrix_bytes(tokens: int, heads: int = 32, itemsize: int = 2, batch: i
 def attention_io_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, batch: int = 1) -> int:
     """Bytes FlashAttention must move for one layer: read Q, K, V and write O, each (B, H, T, D). Linear in T."""
     return 4 * batch * heads * tokens * head_dim * itemsize
+
+
+def prescale_q_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, batch: int = 1) -> int:
+    """Bytes added when the softmax scale multiplies Q in a pass of its own before attention: Q read once and the
+    scaled Q written once, each (B, H, T, D). (Attention then reads the scaled copy instead of Q: no change there.)
+    Folded into the kernel's exp2 instead, the scale costs no bytes at all."""
+    return 2 * batch * heads * tokens * head_dim * itemsize

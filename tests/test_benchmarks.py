@@ -122,6 +122,10 @@ def test_bench_flash_attention_smoke_writes_a_results_file(tmp_path):
         assert recorded.select(op=op, impl=Impl.LESSONLIB), op
     assert recorded.select(op=Op.FORWARD, impl=Impl.NAIVE) and recorded.select(op=Op.FORWARD, impl=Impl.SDPA)
     assert all(r["tflops"] > 0 for r in recorded.select(op=Op.FORWARD, impl=Impl.LESSONLIB))
+    for impl in (Impl.LESSONLIB, Impl.PRESCALED_Q):  # the scale folded into exp2, and applied as a pass of its own
+        assert recorded.one(op=Op.ABSORBED, impl=impl, dropout_p=0.0)["us"] > 0
+    for dropout_p in (0.0, 0.1):  # SDPA without and with dropout, at the same shape
+        assert recorded.one(op=Op.ABSORBED, impl=Impl.SDPA, dropout_p=dropout_p)["us"] > 0
 
 
 def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):

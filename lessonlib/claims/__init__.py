@@ -1,0 +1,113 @@
+"""The seed texts' claims that can be measured, each beside the lesson cell that measures it and its verdict (the
+closing section of lesson 05, issue 15).
+
+The seed texts themselves are not in the repository. A claim with ``quoted=True`` is worded exactly as the course's
+notebooks quote it; the others paraphrase issue 15's list, and the table says so. Each verdict is computed when
+asked, from a committed results file (``lessonlib/results/*.json``, :mod:`lessonlib.claims.recorded`) or from a
+live check on this machine (:mod:`lessonlib.claims.live`): no verdict and no measured number is typed in. A claim
+whose records are not committed yet says "not yet measured on a GPU" and names the command that records them.
+Verdicts read "holds", "holds at ...; not at ...", "does not hold (...)" or "not measured here (why)".
+
+    rows = claims.table()          # one dict per claim: quote, source, where, measured, verdict
+    display(Markdown(claims.markdown(rows)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from lessonlib.claims import live, recorded
+from lessonlib.claims.verdicts import Verdict, in_range, not_recorded
+
+NEWS = "news item"
+UNNAMED = "a seed, not named"  # the notebooks say "the seed" without saying which of the two
+
+
+@dataclass(frozen=True)
+class Claim:
+    quote: str  # quoted: the seed's words as the notebooks quote them; otherwise a paraphrase of issue 15's list
+    quoted: bool
+    source: str  # NEWS or UNNAMED: the notebooks name the news item only for the two figures of lesson 05
+    notebook: str  # notebooks/<notebook>.ipynb
+    cell: str  # the id of the cell that measures it (tests check that it exists)
+    section: str
+    evidence: str  # the records, or the live check, that decide it
+    decide: Callable[[], Verdict]
+
+
+def not_measured(why: str) -> Callable[[], Verdict]:
+    return lambda: Verdict("-", f"not measured here ({why})")
+
+
+CLAIMS = (
+    Claim("cut by up to 70%", True, NEWS, "05_cuda_graphs", "36d3873b", "§5 Measured on the H200",
+          "cuda-graphs-h200: decode_step, eager PyTorch step vs lessonlib fused step", recorded.fusion_cut),
+    Claim("deliver another 10–15% latency reduction", True, NEWS, "05_cuda_graphs", "36d3873b",
+          "§5 Measured on the H200", "cuda-graphs-h200: decode_step, fused step vs the same replayed from a graph",
+          recorded.graph_cut),
+    Claim("softmax(Q Kᵀ / √D + M) V, with M the additive causal mask", True, UNNAMED, "02_flash_attention",
+          "acf5f14c", "§1 The score matrix", "live: float64, M = -inf above the diagonal vs causal=True",
+          live.additive_mask),
+    Claim("FlashAttention's memory is O(N) instead of O(N²)", False, UNNAMED, "02_flash_attention", "66d71694",
+          "§1 The score matrix grows with T²", "live: bytes each call allocates, N=32 and 64", live.linear_memory),
+    Claim("fusing the KV-cache write with the K/V transform", True, UNNAMED, "03_paged_attention", "d16831f5",
+          "Exercise 5: RoPE fused with the KV-cache write",
+          "paged-attention-h200: rope_store_kv, ops.rope_store_kv vs apply_rope + store_kv", recorded.rope_kv_write),
+    Claim("sidesteps the quadratic memory blow-up", True, UNNAMED, "03_paged_attention", "7304ab0d",
+          "§6 What paging does not change", "live: kv_memory's paged and slab reservations, the score matrix's bytes",
+          live.paging_quadratic),
+    Claim("paged attention removes the KV-cache waste of fragmentation and over-reservation", False, UNNAMED,
+          "03_paged_attention", "ca032502", "§1 What contiguous allocation wastes",
+          "live: kv_memory.reservation over lesson 03's request lengths", live.paging_waste),
+    Claim("FlexAttention runs paged attention", False, UNNAMED, "03_paged_attention", "e0128fdf",
+          "§7 Paged against contiguous, measured", "paged-attention-h200: FlexAttention paged vs lessonlib",
+          recorded.flex_paged),
+    Claim("fusion changes the numbers: the order of operations rounds differently", False, UNNAMED,
+          "04_torch_compile", "48f16569", "§1 What Inductor generates", "live: float16 swiglu, eager vs fused",
+          live.op_order),
+    Claim("TORCH_LOGS=perf_hints,output_code show what Inductor did and could not do", False, UNNAMED,
+          "04_torch_compile", "95a3c005", "§4 Inductor's hints, and the code it wrote", "lesson 04's cell, live",
+          not_measured("lesson 04 runs it in a fresh compiling process, too slow to repeat for this table")),
+    Claim("fuse bias + activation + multiply", False, UNNAMED, "01_operator_fusion", "a8fdf751", "Summary",
+          "fusion-h200: swiglu, lessonlib vs eager, T=8192", recorded.activation_mul),
+    Claim("fuse dequantisation into the matmul", False, UNNAMED, "01_operator_fusion", "a8fdf751", "Summary",
+          "none", not_measured("the course has no quantised weights")),
+    Claim("fusing dropout/scaling/residual into attention: the scaling", False, UNNAMED, "05_cuda_graphs",
+          "c1a1ab03", "§6 What attention's kernel can absorb",
+          "flash-attention-h200: absorbed into attention, lessonlib vs Q scaled in a pass of its own",
+          recorded.softmax_scale),
+    Claim("fusing dropout/scaling/residual into attention: the dropout", False, UNNAMED, "05_cuda_graphs",
+          "c1a1ab03", "§6 What attention's kernel can absorb",
+          "flash-attention-h200: absorbed into attention, SDPA backends at dropout_p 0 and 0.1", recorded.dropout),
+    Claim("fusing dropout/scaling/residual into attention: the residual", False, UNNAMED, "01_operator_fusion",
+          "a8fdf751", "§6 Residual add + RMSNorm; Summary", "fusion-h200: add_rms_norm, lessonlib vs eager, T=8192",
+          recorded.residual),
+)
+
+
+def table(claims=CLAIMS) -> list[dict]:
+    """Every claim's row, its verdict computed now."""
+    rows = []
+    for claim in claims:
+        verdict = claim.decide()
+        quote = f"“{claim.quote}”" if claim.quoted else f"{claim.quote} (paraphrased)"
+        rows.append({"quote": quote, "source": claim.source,
+                     "where": f"lesson {claim.notebook[:2]}, {claim.section} (cell {claim.cell})",
+                     "evidence": claim.evidence, "measured": verdict.measured, "verdict": verdict.verdict})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    """The rows as a Markdown table: claim, seed, where measured, measured value, verdict."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").replace("\n", " ")
+
+    lines = ["| claim | seed | where measured | measured | verdict |", "|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(cell(r[key]) for key in ("quote", "source", "where", "measured", "verdict")) + " |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+__all__ = ["CLAIMS", "Claim", "Verdict", "in_range", "live", "markdown", "not_measured", "not_recorded",
+           "recorded", "table"]

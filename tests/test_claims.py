@@ -1,0 +1,128 @@
+"""lessonlib.claims: every claim's verdict is computed from the committed results files or a live check; a claim
+whose records are missing says it is not measured; quoted claims are worded as the notebooks quote them and point at
+a cell that exists; the verdict follows the measured numbers (synthetic records on both sides of a claim)."""
+
+import random
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from lessonlib import claims
+from lessonlib.claims import live, recorded
+from lessonlib.results import Benchmark, Impl, Op, Results, find, recorded_name
+
+ROOT = Path(__file__).resolve().parents[1]
+VERDICTS = ("holds", "does not hold", "not measured here", "not yet measured on a GPU")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return claims.table()
+
+
+def test_every_claim_has_a_computed_verdict_from_the_committed_files(rows):
+    assert len(rows) == len(claims.CLAIMS)
+    for row in rows:
+        assert row["measured"] and row["verdict"].startswith(VERDICTS), row
+    by_quote = {row["quote"]: row for row in rows}
+    # the committed cuda-graphs run decides both news figures: every recorded (B, context) appears in each verdict
+    graphs = find(recorded_name(Benchmark.CUDA_GRAPHS))
+    points = {(r["shape"]["B"], r["shape"]["context"]) for r in graphs.select(op=Op.DECODE_STEP)}
+    for quote in ("“cut by up to 70%”", "“deliver another 10–15% latency reduction”"):
+        assert all(f"B={b}/ctx {c:,}" in by_quote[quote]["measured"] for b, c in points), by_quote[quote]
+
+
+def test_quoted_claims_are_worded_as_their_notebook_quotes_them_and_point_at_a_cell_that_exists():
+    for claim in claims.CLAIMS:
+        notebook = nbformat.read(ROOT / "notebooks" / f"{claim.notebook}.ipynb", as_version=4)
+        assert claim.cell in {cell.get("id") for cell in notebook.cells}, (claim.notebook, claim.cell)
+        if claim.quoted:
+            text = "\n".join(" ".join(cell.source.split()) for cell in notebook.cells)
+            assert claim.quote in text, (claim.notebook, claim.quote)
+
+
+def test_a_claim_whose_records_are_missing_says_it_is_not_measured(monkeypatch):
+    monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
+    for decide in (recorded.fusion_cut, recorded.graph_cut, recorded.flex_paged, recorded.activation_mul,
+                   recorded.residual, recorded.softmax_scale, recorded.dropout):
+        verdict = decide()
+        assert verdict.verdict.startswith("not yet measured on a GPU") and "--out lessonlib/results/" in verdict.verdict
+
+
+def test_the_committed_flash_attention_run_without_absorbed_records_says_not_yet_measured(rows):
+    run = find(recorded_name(Benchmark.FLASH_ATTENTION))
+    if run is not None and run.select(op=Op.ABSORBED):
+        pytest.skip("the committed run holds the absorbed-into-attention records: their verdicts are computed")
+    for row in rows:
+        if row["quote"].startswith(("fusing dropout/scaling/residual into attention: the scaling",
+                                    "fusing dropout/scaling/residual into attention: the dropout")):
+            assert row["verdict"].startswith("not yet measured on a GPU"), row
+
+
+def _absorbed_run(us: dict) -> Results:
+    """A flash-attention run holding only absorbed-into-attention records, times from ``us`` (impl, dropout_p)."""
+    shape = {"B": 2, "H": 32, "N": 4096, "D": 128, "causal": False}
+    records = [{"op": Op.ABSORBED, "impl": impl, "shape": {**shape, "dropout_p": p}, "dtype": "bfloat16", "us": t}
+               for (impl, p), t in us.items()]
+    return Results(Benchmark.FLASH_ATTENTION, "synthetic", {}, {}, records, {})
+
+
+def test_the_scale_and_dropout_verdicts_follow_the_records(monkeypatch):
+    folded, sdpa = random.uniform(500, 1500), random.uniform(500, 1500)
+    us = {(Impl.LESSONLIB, 0.0): folded, (Impl.PRESCALED_Q, 0.0): folded * 1.05,
+          (Impl.SDPA_FLASH, 0.0): sdpa, (Impl.SDPA_FLASH, 0.1): sdpa * 1.2,
+          (Impl.SDPA_MATH, 0.0): sdpa * 10, (Impl.SDPA_MATH, 0.1): sdpa * 14,
+          (Impl.SDPA_CUDNN, 0.0): sdpa, (Impl.SDPA_CUDNN, 0.1): None}
+    monkeypatch.setattr(recorded, "committed_run", lambda benchmark: _absorbed_run(us))
+    scale = recorded.softmax_scale()
+    assert scale.verdict.startswith("holds") and "+5%" in scale.measured and "µs" in scale.measured
+    assert f"+{2 * 2 * 32 * 4096 * 128 * 2 / 1e6:.0f} MB" in scale.measured  # Q read and written once more, bf16
+    drop = recorded.dropout()
+    assert drop.verdict.startswith(f"holds at {Impl.SDPA_FLASH}") and Impl.SDPA_MATH not in drop.verdict.split(";")[0]
+    assert "+20%" in drop.measured and "+40%" in drop.measured and f"refused: {Impl.SDPA_CUDNN}" in drop.measured
+    us[(Impl.PRESCALED_Q, 0.0)] = folded * 0.99  # a pass of its own measured no slower: the verdict says so
+    assert "no gain measured" in recorded.softmax_scale().verdict
+
+
+def test_a_percentage_claim_holds_only_where_the_measured_value_is_in_its_range():
+    assert claims.in_range({"a": 0.12, "b": 0.14}, 0.10, 0.15) == "holds at every measured point"
+    assert claims.in_range({"a": 0.68, "b": -0.01}, 0.10, 0.15) == "does not hold at any measured point"
+    assert claims.in_range({"a": 0.42, "b": 0.79}, 0.0, 0.70) == "holds at a; not at b"
+
+
+def test_allocated_bytes_counts_new_tensors_not_views():
+    x = torch.randn(10, 7)
+    assert live.allocated_bytes(lambda t: t * 2, x) == 10 * 7 * 4
+    assert live.allocated_bytes(lambda t: t.view(7, 10).t(), x) == 0
+    assert live.allocated_bytes(lambda t: t.mul_(2), x) == 0
+
+
+def test_the_live_checks_decide_their_claims():
+    assert live.additive_mask().verdict.startswith("holds")
+    assert live.linear_memory().verdict.startswith("holds")  # the kernel's bytes linear, naive's quadratic
+    assert live.op_order().verdict.startswith("holds")
+    assert live.paging_quadratic().verdict.startswith("does not hold")
+    assert live.paging_waste().verdict == "holds"
+
+
+def test_the_rope_kv_write_verdict_waits_for_its_labels_and_then_follows_the_records(monkeypatch):
+    from lessonlib.results import Impl as impls, Op as ops_
+
+    if getattr(ops_, "ROPE_STORE_KV", None) is None:
+        assert recorded.rope_kv_write().verdict.startswith("not measured here")
+    monkeypatch.setattr(ops_, "ROPE_STORE_KV", "rope_store_kv", raising=False)
+    monkeypatch.setattr(impls, "APPLY_ROPE_THEN_STORE_KV", "apply_rope + store_kv (q, k contiguous)", raising=False)
+    separate = random.uniform(10, 20)
+    records = [{"op": ops_.ROPE_STORE_KV, "impl": impl, "shape": {"T": t, "H": 32, "Hkv": 8, "D": 128},
+                "dtype": "bfloat16", "us": us}
+               for t, fused in ((1, separate * 0.5), (4096, separate * 1.1))
+               for impl, us in ((Impl.LESSONLIB, fused), (impls.APPLY_ROPE_THEN_STORE_KV, separate))]
+    monkeypatch.setattr(recorded, "committed_run",
+                        lambda benchmark: Results(benchmark, "synthetic", {}, {}, records, {}))
+    verdict = recorded.rope_kv_write()
+    assert verdict.verdict.startswith("holds at T=1/D=128; not at T=4,096/D=128"), verdict
+    assert "-50% (T=1/D=128)" in verdict.measured and "+10% (T=4,096/D=128)" in verdict.measured
+    monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
+    assert recorded.rope_kv_write().verdict.startswith("not yet measured on a GPU")
