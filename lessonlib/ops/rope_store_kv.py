@@ -26,9 +26,10 @@ import triton
 import triton.language as tl
 
 from lessonlib.ops._common import check_tensors, launch, refuse_gradient
+from lessonlib.ops.apply_rope import apply_rope
 from lessonlib.ops.apply_rope import _rotate_heads  # the same rotation code: the same bits as apply_rope
 from lessonlib.ops.apply_rope import config as rope_config
-from lessonlib.ops.store_kv import check_slot_values, check_slots
+from lessonlib.ops.store_kv import check_slot_values, check_slots, store_kv
 from lessonlib.ops.store_kv import config as copy_config
 
 
@@ -165,3 +166,18 @@ def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cac
     if torch.compiler.is_compiling():
         return _ROPE_STORE_KV(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, validate)
     return rope_store_kv_forward(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads, validate)
+
+
+def apply_rope_then_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                             v_cache: torch.Tensor, slots: torch.Tensor, *, num_heads: int,
+                             num_kv_heads: int) -> torch.Tensor:
+    """The separate kernels this op replaces, as the serving engine ran them (four launches): copies of q and k
+    out of qkv's rows, apply_rope, store_kv. Same arguments and result as :func:`rope_store_kv` with
+    ``validate=False``; the tests compare the two bit for bit, the benchmark times both."""
+    tokens, head_dim = qkv.shape[0], k_cache.shape[3]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.contiguous().view(tokens, num_heads, head_dim)  # apply_rope's outputs keep its inputs' layout, and
+    k = k.contiguous().view(tokens, num_kv_heads, head_dim)  # store_kv needs each token's k row contiguous
+    q, k = apply_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)  # the tokens as one batch row
+    store_kv(k[0].transpose(0, 1), v.view(tokens, num_kv_heads, head_dim), k_cache, v_cache, slots, validate=False)
+    return q[0].transpose(0, 1)

@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from lessonlib import ops, reference, runtime
+from lessonlib.ops.rope_store_kv import apply_rope_then_store_kv as separate
 from lessonlib.testing import check_close, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
@@ -27,14 +28,7 @@ def inputs(tokens, heads, kv_heads, head_dim, dtype, block_size=4, pad=3):
 
 
 def apply_rope_then_store_kv(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads):
-    """The separate path the fused op replaces, as the serving engine runs it: copies, apply_rope, store_kv."""
-    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q = q.contiguous().view(tokens, heads, head_dim)
-    k = k.contiguous().view(tokens, kv_heads, head_dim)
-    q, k = ops.apply_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-    ops.store_kv(k[0].transpose(0, 1), v.view(tokens, kv_heads, head_dim), k_cache, v_cache, slots, validate=False)
-    return q[0].transpose(0, 1)
+    return separate(qkv, cos, sin, k_cache, v_cache, slots, num_heads=heads, num_kv_heads=kv_heads)
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 128])
@@ -57,7 +51,8 @@ def test_rope_store_kv_matches_float64_and_the_separate_kernels_bit_for_bit(toke
     others = torch.ones(k_cache.shape[0] * k_cache.shape[1], dtype=torch.bool, device=DEVICE)
     others[slots] = False
     for cache, poison in ((k_cache, poison_k), (v_cache, poison_v)):
-        assert torch.equal(bits(cache).view(-1, kv_heads, head_dim)[others], poison.view(-1, kv_heads, head_dim)[others])
+        rows = (lambda t: t.view(-1, kv_heads, head_dim)[others])
+        assert torch.equal(rows(bits(cache)), rows(poison))
 
     # Within tolerance of float64 (the reference in the same dtype sets the rounding error allowed).
     k64, v64 = torch.zeros_like(k_cache, dtype=torch.float64), torch.zeros_like(v_cache, dtype=torch.float64)
@@ -103,8 +98,8 @@ BAD = [
     ({"sin": lambda a: a["sin"][:, :4]}, ValueError, "sin must be"),
     ({"v_cache": lambda a: a["v_cache"][:2]}, ValueError, "caches must be"),
     ({"k_cache": lambda a: a["k_cache"].transpose(0, 1)}, ValueError, "caches must be|contiguous"),
-    ({"qkv": lambda a: randn(3, 54), "k_cache": lambda a: a["k_cache"][..., :7].contiguous(),
-      "v_cache": lambda a: a["v_cache"][..., :7].contiguous(), "cos": lambda a: randn(3, 7), "sin": lambda a: randn(3, 7)},
+    ({"qkv": lambda a: randn(3, 54), "cos": lambda a: randn(3, 7), "sin": lambda a: randn(3, 7),
+      "k_cache": lambda a: a["k_cache"][..., :7].contiguous(), "v_cache": lambda a: a["v_cache"][..., :7].contiguous()},
      ValueError, "head_dim must be even"),
     ({"cos": lambda a: a["cos"].half(), "sin": lambda a: a["sin"].half()}, TypeError, "mixed dtypes"),
     ({"slots": lambda a: a["slots"].float()}, TypeError, "slots must be an integer tensor of shape"),
