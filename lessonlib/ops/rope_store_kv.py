@@ -1,4 +1,4 @@
-"""rope_store_kv: RoPE on the new tokens' q and k, and the KV-cache write, in one kernel (vLLM fuses the same pair).
+"""rope_store_kv: RoPE on the new tokens' q and k, and the KV-cache write, in one kernel.
 
 Per layer and step a decoder splits the fused projection's output ``qkv`` (T, (H + 2 Hkv) D) into q, k and v,
 rotates q and k, and writes k and v into their paged-cache slots. Done separately that is four launches: copies of
@@ -47,11 +47,13 @@ def _rope_store_kv_kernel(
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,  # apply_rope's tiles
     BLOCK_V: tl.constexpr,  # store_kv's BLOCK: elements of v's row copied per step
 ):
-    # One program per token. At decode (T <= 64) that leaves most SMs idle, but splitting the heads over more
-    # programs would not shorten the one thing a program waits for: its loads (slot, cos/sin, q, k, v: none of
-    # their addresses depends on another load) go out together, then its stores; one DRAM round trip either way.
-    # A token moves (2 H + 4 Hkv) D + 2 D elements, 24.5 KB at H=32, Hkv=8, D=128 in 16 bits: a launch at decode
-    # is latency, not bandwidth, and at prefill (T = 4096) T programs fill the GPU.
+    # One program per token: it reads the token's cos/sin row and slot once for all its heads. A token moves
+    # (2 H + 4 Hkv) D + 2 D elements, 24.5 KB at H=32, Hkv=8, D=128 in 16 bits: at decode (T <= 64) a call moves
+    # at most 1.6 MB, a few DRAM round trips' worth (q's heads, then k's, then v's), so its time is latency, and
+    # the three launches it removes per layer weigh more than the idle SMs. Programs per (token, head group) would
+    # run q's, k's and v's phases side by side at T = 1 but reload cos/sin and the slot in each: the next version
+    # to try if the benchmark's decode rows (graph_us against the copy of the same bytes) show it. At prefill
+    # (T = 4096) the tokens alone fill the GPU.
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     head_dim = 2 * half
