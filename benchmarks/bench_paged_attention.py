@@ -4,7 +4,9 @@
 
 bf16, 32 query heads over 8 KV heads, head_dim 128, block_size 16; GB/s counts the K and V bytes each call must
 read. Peers measured in the same run: SDPA on a contiguous cache (the same K/V, laid out densely), and gather the
-pages then SDPA. Also: the cache's store_kv kernel writing a 4096-token prefill, against a copy of the same bytes.
+pages then SDPA. Also: the cache's store_kv kernel writing a 4096-token prefill, against a copy of the same bytes;
+and rope_store_kv (RoPE and the cache write fused) at decode and prefill sizes, against the separate kernels it
+replaces (apply_rope + store_kv, with and without the engine's copies of q and k) and plain PyTorch.
 Every case is checked against the float64 reference first. ``--smoke`` runs tiny sizes in any mode.
 """
 
@@ -18,9 +20,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from lessonlib import bench, ops, reference, runtime  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
 from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
+from lessonlib.ops.rope_store_kv import apply_rope_then_store_kv  # noqa: E402
 from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op, sweep_label  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
@@ -36,6 +39,9 @@ KNOBS = [{"num_splits": s} for s in (1, 2, 4, 8, 16, 32, 64)] + [
     for bps in (2, 4, 8) for w in (4, 8) for st in (2, 3, 4)] + [
     {"num_splits": s, "blocks_per_step": 8, "num_warps": 8} for s in (8, 16, 32, 64)]
 STORE_TOKENS, SMOKE_STORE_TOKENS = 4096, 64
+# rope_store_kv: (tokens, head_dim) with 32 query heads over 8 KV heads; decode steps of 1 to 64 sequences, a prefill
+ROPE_STORE_KV_SHAPES = [(t, d) for d in (64, 128) for t in (1, 8, 32, 64, 4096)]
+SMOKE_ROPE_STORE_KV_SHAPES = [(1, 32), (7, 32)]
 
 
 def build(batch, context, heads, kv_heads, head_dim, block_size, dtype):
@@ -124,12 +130,56 @@ def store_kv_case(run, smoke):
     return Case(Op.STORE_KV, shape, peers, check, nbytes, graphed=(Impl.LESSONLIB, Impl.COPY))
 
 
+def rope_store_kv_case(run, tokens, head_dim, smoke):
+    """ops.rope_store_kv against the kernels it replaces and plain PyTorch, each writing into its own pool."""
+    heads, kv_heads, _, block_size = SMOKE_HEADS if smoke else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
+    device, width = runtime.device(), (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width, device=device, dtype=torch.float32).to(run.dtype)
+    cos, sin = reference.rope_cos_sin(torch.randint(0, 32768, (tokens,), device=device), head_dim, dtype=run.dtype)
+    num_blocks = -(-tokens // block_size) * 2
+    pools = {name: [torch.zeros(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=run.dtype)
+                    for _ in range(2)] for name in ("fused", "separate", "float64", "low")}
+    pools["float64"] = [p.double() for p in pools["float64"]]
+    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
+    sizes = dict(num_heads=heads, num_kv_heads=kv_heads)
+    # The two kernels alone: q and k copied once, outside the timing, into (T, heads, D) rows seen as (1, heads, T, D)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q4 = q.contiguous().view(tokens, heads, head_dim).transpose(0, 1)[None]
+    k4 = k.contiguous().view(tokens, kv_heads, head_dim).transpose(0, 1)[None]
+    v = v.view(tokens, kv_heads, head_dim)
+
+    def two_kernels():
+        _, k_rot = ops.apply_rope(q4, k4, cos, sin)
+        ops.store_kv(k_rot[0].transpose(0, 1), v, *pools["separate"], slots, validate=False)
+
+    def check():
+        q = ops.rope_store_kv(qkv, cos, sin, *pools["fused"], slots, **sizes)
+        q_separate = apply_rope_then_store_kv(qkv, cos, sin, *pools["separate"], slots, **sizes)
+        assert torch.equal(q, q_separate), "rope_store_kv: q differs from apply_rope's"
+        assert all(torch.equal(a, b) for a, b in zip(pools["fused"], pools["separate"])), "rope_store_kv: caches differ"
+        truth = reference.rope_store_kv(*to_float64(qkv, cos, sin), *pools["float64"], slots, **sizes)
+        check_close("rope_store_kv q", q, truth, reference.rope_store_kv(qkv, cos, sin, *pools["low"], slots, **sizes))
+        check_close("rope_store_kv k_cache", pools["fused"][0], pools["float64"][0], pools["low"][0])
+
+    nbytes = traffic.rope_store_kv(tokens, heads, kv_heads, head_dim, qkv.element_size()).fused.bytes
+    peers = {Impl.LESSONLIB: lambda: ops.rope_store_kv(qkv, cos, sin, *pools["fused"], slots, **sizes, validate=False),
+             Impl.APPLY_ROPE_THEN_STORE_KV: two_kernels,
+             Impl.COPIES_APPLY_ROPE_STORE_KV: lambda: apply_rope_then_store_kv(qkv, cos, sin, *pools["separate"], slots,
+                                                                               **sizes),
+             Impl.EAGER: lambda: reference.rope_store_kv(qkv, cos, sin, *pools["low"], slots, **sizes),
+             Impl.COPY: copy_call(nbytes)}
+    shape = {"T": tokens, "H": heads, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
+    return Case(Op.ROPE_STORE_KV, shape, peers, check, nbytes, graphed=tuple(peers), may_fail=(Impl.EAGER,))
+
+
 def main():
     args = bench.parse_args(__doc__, "bench_paged_attention.py")
     run = bench.Run(Benchmark.PAGED_ATTENTION, smoke=args.smoke, check_only=args.check)
     warm_up_gpu()
     run.cases(paged_attention_cases(run, args.smoke))
     run.cases([store_kv_case(run, args.smoke)])
+    run.cases(rope_store_kv_case(run, tokens, head_dim, args.smoke)
+              for tokens, head_dim in (SMOKE_ROPE_STORE_KV_SHAPES if args.smoke else ROPE_STORE_KV_SHAPES))
     ceiling_bytes = 1 << (20 if args.smoke else 32)
     run.save(args.out, {"bandwidth_gbs": round(gbps(ceiling_bytes, time_copy(ceiling_bytes)), 1), "matmul_tflops": None})
 

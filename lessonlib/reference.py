@@ -55,6 +55,23 @@ def apply_rope(
     return q_rot, k_rot
 
 
+def rope_store_kv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slots: torch.Tensor, *, num_heads: int, num_kv_heads: int) -> torch.Tensor:
+    """RoPE on the new tokens' q and k, then k and v written into their paged-cache slots (in place).
+
+    qkv: (T, (H + 2 Hkv) D), q's columns then k's then v's; cos, sin: (T, D); k_cache, v_cache: (num_blocks,
+    block_size, Hkv, D); slots: (T,) distinct, block * block_size + offset. Returns q rotated, (T, H, D).
+    """
+    tokens, head_dim = qkv.shape[0], k_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    q = q.reshape(tokens, num_heads, head_dim).transpose(0, 1)[None]  # (1, H, T, D): the tokens as one batch row
+    k = k.reshape(tokens, num_kv_heads, head_dim).transpose(0, 1)[None]
+    q_rot, k_rot = apply_rope(q, k, cos, sin)
+    k_cache.view(-1, num_kv_heads, head_dim)[slots] = k_rot[0].transpose(0, 1)
+    v_cache.view(-1, num_kv_heads, head_dim)[slots] = v.reshape(tokens, num_kv_heads, head_dim)
+    return q_rot[0].transpose(0, 1).contiguous()
+
+
 def rope_cos_sin(
     positions: torch.Tensor, head_dim: int, base: float = 10000.0, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -74,6 +74,7 @@ class Op:
     DECODE = "decode"  # attention of one query over a long KV sequence
     PAGED_ATTENTION = "paged_attention"
     STORE_KV = "store_kv"
+    ROPE_STORE_KV = "rope_store_kv"  # RoPE on the new tokens' q and k, and the KV-cache write
     DECODE_STEP = "decode_step"  # one decoder layer's decode step
     GENERATE = "generate"
     ENGINE_STEPS = "engine_steps"
@@ -132,6 +133,9 @@ class Impl:
     SDPA_CONTIGUOUS = "SDPA, contiguous cache"
     GATHER_THEN_SDPA = "gather pages, then SDPA"
     FLEX_PAGED = "FlexAttention paged"
+    # rope_store_kv: the separate kernels it replaces (lessonlib.ops.rope_store_kv.apply_rope_then_store_kv)
+    APPLY_ROPE_THEN_STORE_KV = "apply_rope + store_kv (q, k contiguous)"  # the two kernels alone
+    COPIES_APPLY_ROPE_STORE_KV = "copies + apply_rope + store_kv"  # the engine's four launches from qkv's rows
     # engine
     HF_DYNAMIC = "transformers generate (dynamic cache, eager)"
     HF_STATIC = "transformers generate (static cache, compiled)"

@@ -119,6 +119,23 @@ def apply_rope(batch: int, heads: int, kv_heads: int, tokens: int, head_dim: int
     return OpTraffic("apply_rope", shape, Chain("eager", tuple(kernels)), fused)
 
 
+def rope_store_kv(tokens: int, heads: int, kv_heads: int, head_dim: int, itemsize: int = 2) -> OpTraffic:
+    """The new tokens' RoPE and KV-cache write. ``eager`` is the serving engine's chain of separate kernels (copies
+    of q and k out of the projection's rows, apply_rope, store_kv); ``fused`` is ops.rope_store_kv. The difference:
+    the copies (2 q + 2 k) and k_rot written by apply_rope and read back by store_kv (2 k)."""
+    q, kv = tokens * heads * head_dim * itemsize, tokens * kv_heads * head_dim * itemsize
+    table = tokens * head_dim * itemsize  # one cos or sin row per token
+    rotate_flops = 3 * (q + kv) // itemsize
+    separate = Chain("eager", (
+        Kernel("q.contiguous()", q, q, 0),
+        Kernel("k.contiguous()", kv, kv, 0),
+        Kernel("apply_rope", q + kv + 2 * table, q + kv, rotate_flops),
+        Kernel("store_kv", 2 * kv, 2 * kv, 0),
+    ))
+    fused = Chain("fused", (Kernel("rope_store_kv", q + 2 * kv + 2 * table, q + 2 * kv, rotate_flops),))
+    return OpTraffic("rope_store_kv", {"T": tokens, "H": heads, "Hkv": kv_heads, "D": head_dim}, separate, fused)
+
+
 def gated_mlp(tokens: int, hidden: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
     x, act, w = tokens * hidden * itemsize, tokens * intermediate * itemsize, hidden * intermediate * itemsize
     gemm_flops = 2 * tokens * hidden * intermediate

@@ -114,6 +114,8 @@ def test_bench_paged_attention_smoke_writes_a_results_file(tmp_path):
     for impl in (Impl.LESSONLIB, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA):
         assert recorded.select(op=Op.PAGED_ATTENTION, impl=impl)
     assert recorded.select(op=Op.STORE_KV, impl=Impl.LESSONLIB)
+    for impl in (Impl.LESSONLIB, Impl.APPLY_ROPE_THEN_STORE_KV, Impl.COPIES_APPLY_ROPE_STORE_KV, Impl.EAGER):
+        assert recorded.select(op=Op.ROPE_STORE_KV, impl=impl), impl
 
 
 def test_bench_flash_attention_smoke_writes_a_results_file(tmp_path):

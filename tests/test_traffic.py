@@ -30,6 +30,23 @@ def test_launch_counts_match_the_model(dtype):
             assert count_launches(fused, *args).total == model.fused.launches, name
 
 
+def test_rope_store_kv_model_counts_the_launches_and_the_bytes_it_saves():
+    from lessonlib.ops.rope_store_kv import apply_rope_then_store_kv
+
+    T, H, Hkv, D = 3, 4, 2, 16
+    model = traffic.rope_store_kv(T, H, Hkv, D, itemsize=4)
+    qkv = randn(T, (H + 2 * Hkv) * D)
+    cos, sin = reference.rope_cos_sin(torch.arange(T, device=DEVICE), D)
+    pool = [torch.zeros(4, 4, Hkv, D, device=DEVICE) for _ in range(2)]
+    args = (qkv, cos, sin, *pool, torch.tensor([9, 2, 14], device=DEVICE))
+    fused = lambda *a, **kw: ops.rope_store_kv(*a, **kw, validate=False)  # noqa: E731 (the slot checks launch too)
+    for fn, chain in ((apply_rope_then_store_kv, model.eager), (fused, model.fused)):
+        assert count_launches(lambda: fn(*args, num_heads=H, num_kv_heads=Hkv)).total == chain.launches, chain.label
+    q, kv = T * H * D * 4, T * Hkv * D * 4
+    assert model.eager.bytes - model.fused.bytes == 2 * q + 4 * kv  # the copies, and k_rot's round trip
+    assert model.fused.bytes == 2 * (q + 2 * kv) + 2 * T * D * 4
+
+
 def test_fused_bytes_are_one_read_and_one_write_per_tensor():
     assert traffic.swiglu(8192, 14336).fused.bytes == 3 * 8192 * 14336 * 2
     assert traffic.add_rms_norm(8192, 4096).fused.bytes == 4 * 8192 * 4096 * 2 + 4096 * 2

@@ -157,9 +157,9 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       the configuration depends on D x element size, so D=256 in 16 bits stands for D=128 in float32's bytes per
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
-    - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv: one configuration
-      each on every GPU, at their largest blocks, in every dtype (they compile in seconds); the backward kernels of
-      swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's configuration.
+    - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv, rope_store_kv: one
+      configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds); the backward
+      kernels of swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's configuration.
     - paged_prefill_attention at D=128 in every dtype.
     ``thorough=True`` compiles every dtype for every case instead.
     """
@@ -172,6 +172,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     rn = _sys.modules["lessonlib.ops.add_rms_norm"]
     rp = _sys.modules["lessonlib.ops.apply_rope"]
     kv = _sys.modules["lessonlib.ops.store_kv"]
+    rk = _sys.modules["lessonlib.ops.rope_store_kv"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
@@ -264,6 +265,10 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         config = kv.config(8 * 128, given)
         out.append(Case("store_kv", kv._store_kv_kernel, "Hkv=8 D=128", dtype,
                         (dtype, dtype, dtype, dtype, torch.int64, 1024, 1024, 1024), config, config=config))
+        config = rk.config(32, 8, 128, given)  # qkv rows of (32 + 2 * 8) * 128 elements
+        out.append(Case("rope_store_kv", rk._rope_store_kv_kernel, "H=32 Hkv=8 D=128", dtype,
+                        (dtype, dtype, dtype, torch.int64, dtype, dtype, dtype, 48 * 128, 128, 128, 32, 8, 64),
+                        config, config=config))
     return out
 
 

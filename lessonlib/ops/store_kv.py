@@ -48,10 +48,24 @@ def _check(k, v, k_cache, v_cache, slots) -> None:
     for name, t in (("k", k), ("v", v)):
         if t.shape[0] > 0 and t.shape[1] > 1 and t.stride(1) != k.shape[2]:  # one head: its stride is never used
             raise ValueError(f"store_kv: each token's {name} row (num_kv_heads, head_dim) must be contiguous")
-    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (k.shape[0],):
-        raise TypeError(f"store_kv: slots must be an integer tensor of shape ({k.shape[0]},)")
-    if slots.device != k.device:
-        raise ValueError(f"store_kv: slots on {slots.device}, k on {k.device}")
+    check_slots("store_kv", slots, k.shape[0], k.device)
+
+
+def check_slots(op: str, slots, tokens: int, device: torch.device) -> None:
+    """slots' type, shape and device: what can be checked without reading it (fake implementations too)."""
+    if not isinstance(slots, torch.Tensor) or slots.dtype not in (torch.int32, torch.int64) or slots.shape != (tokens,):
+        raise TypeError(f"{op}: slots must be an integer tensor of shape ({tokens},)")
+    if slots.device != device:
+        raise ValueError(f"{op}: slots on {slots.device}, the tensors on {device}")
+
+
+def check_slot_values(op: str, slots: torch.Tensor, num_slots: int) -> None:
+    """Checked on the host before launch: a bad slot would write outside the pool, a repeated one would race.
+    Reads slots: a device sync and a sort, which a caller with trusted slots skips (``validate=False``)."""
+    if bool(((slots < 0) | (slots >= num_slots)).any()):
+        raise ValueError(f"{op}: slots must lie in [0, {num_slots})")
+    if torch.unique(slots).numel() != slots.numel():
+        raise ValueError(f"{op}: two tokens map to the same slot")
 
 
 def config(row: int, profile=None) -> dict:
@@ -68,12 +82,8 @@ def store_kv_forward(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_
     row = k.shape[1] * k.shape[2]
     if k.shape[0] == 0:
         return
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    # Checked on the host before launch: a bad slot would write outside the pool, a repeated one would race.
-    if validate and bool(((slots < 0) | (slots >= num_slots)).any()):
-        raise ValueError(f"store_kv: slots must lie in [0, {num_slots})")
-    if validate and torch.unique(slots).numel() != slots.numel():
-        raise ValueError("store_kv: two tokens map to the same slot")
+    if validate:
+        check_slot_values("store_kv", slots, k_cache.shape[0] * k_cache.shape[1])
     launch(_store_kv_kernel, (k.shape[0],), k, v, k_cache, v_cache, slots.to(torch.int64), k.stride(0), v.stride(0),
            row, **config(row))
 

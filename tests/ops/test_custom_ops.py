@@ -31,6 +31,8 @@ def test_opcheck_every_op(dtype):
     tables = (cache.block_table(["a", "b"]), cache.seq_lens(["a", "b"]))
     new_k, new_v = randn(2, 2, 32, dtype=dtype), randn(2, 2, 32, dtype=dtype)
     slots = torch.tensor([40, 90], device=DEVICE)
+    qkv = randn(2, 8 * 32, dtype=dtype)  # (4 + 2 * 2) heads of 32
+    new_cos, new_sin = reference.rope_cos_sin(torch.tensor([20, 1], device=DEVICE), 32, dtype=dtype)
     lib = torch.ops.lessonlib
     cases = [
         # with inputs that require grad, opcheck also checks the autograd registration and the traced backward
@@ -40,6 +42,7 @@ def test_opcheck_every_op(dtype):
         *([(lib.flash_attention, (grad(q), grad(k), grad(v), True, 0.25))] if dtype in FLASH_DTYPES else []),
         (lib.paged_attention, (decode_q, cache.k_cache, cache.v_cache, *tables, 32 ** -0.5, None, None, 4, None, True)),
         (lib.store_kv, (new_k, new_v, cache.k_cache.clone(), cache.v_cache.clone(), slots, True)),
+        (lib.rope_store_kv, (qkv, new_cos, new_sin, cache.k_cache.clone(), cache.v_cache.clone(), slots, 4, 2, True)),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -55,6 +58,8 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
     cache.append("a", randn(3, kv_heads, head_dim, dtype=dtype), randn(3, kv_heads, head_dim, dtype=dtype))
     cache.reserve("a", 1)
     slot = torch.tensor([3], device=DEVICE)
+    qkv = randn(1, (heads + 2 * kv_heads) * head_dim, dtype=dtype)  # a further token, rotated and stored at slot 4
+    new_slot = torch.tensor([4], device=DEVICE)
     block_table, seq_lens = cache.block_table(["a"]), cache.seq_lens(["a"])
 
     def block(x, residual, weight, gate, up, q, k, v, k_cache, v_cache):
@@ -67,7 +72,9 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
                          k_cache, v_cache, slot,
                          validate=False)
             decoded = ops.paged_attention(q_rot[:, :, -1], k_cache, v_cache, block_table, seq_lens, validate=False)
-        return normed.sum() + residual.sum() + attn.square().sum() + act.sum() + decoded.sum()
+            q_new = ops.rope_store_kv(qkv, cos[-1:], sin[-1:], k_cache, v_cache, new_slot, num_heads=heads,
+                                      num_kv_heads=kv_heads, validate=False)
+        return normed.sum() + residual.sum() + attn.square().sum() + act.sum() + decoded.sum() + q_new.sum()
 
     shapes = [(tokens, hidden), (tokens, hidden), (hidden,), (tokens, 24), (tokens, 24), (1, heads, tokens, head_dim),
               (1, kv_heads, tokens, head_dim), (1, kv_heads, tokens, head_dim)]
@@ -83,4 +90,8 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
     torch.testing.assert_close(compiled, eager)  # same kernels on the same inputs
     for name, a, b in zip(("x", "residual", "weight", "gate", "up", "q", "k", "v"), compiled_args, eager_args):
         torch.testing.assert_close(a.grad, b.grad, msg=f"d{name} compiled vs eager")
-    torch.testing.assert_close(compiled_args[-2], eager_args[-2])  # store_kv's write happened in the compiled run
+    # store_kv's and rope_store_kv's writes happened in the compiled run
+    torch.testing.assert_close(compiled_args[-2], eager_args[-2])
+    torch.testing.assert_close(compiled_args[-1], eager_args[-1])
+    new_v = qkv[0, (heads + kv_heads) * head_dim:].view(kv_heads, head_dim)
+    assert torch.equal(compiled_args[-1].view(-1, kv_heads, head_dim)[4], new_v)
