@@ -157,9 +157,10 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       the configuration depends on D x element size, so D=256 in 16 bits stands for D=128 in float32's bytes per
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
-    - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv, rope_store_kv: one
-      configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds); the backward
-      kernels of swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's configuration.
+    - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv, rope_store_kv and
+      argmax: one configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds);
+      the backward kernels of swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's
+      configuration.
     - paged_prefill_attention at D=128 in every dtype.
     ``thorough=True`` compiles every dtype for every case instead.
     """
@@ -173,6 +174,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     rp = _sys.modules["lessonlib.ops.apply_rope"]
     kv = _sys.modules["lessonlib.ops.store_kv"]
     rk = _sys.modules["lessonlib.ops.rope_store_kv"]
+    am = _sys.modules["lessonlib.ops.argmax"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
@@ -269,6 +271,9 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         out.append(Case("rope_store_kv", rk._rope_store_kv_kernel, "H=32 Hkv=8 D=128", dtype,
                         (dtype, dtype, dtype, torch.int64, dtype, dtype, dtype, 48 * 128, 128, 128, 32, 8, 64),
                         config, config=config))
+        config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
+        out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
+                        (dtype, f32, torch.int64, 128256, 128256, 4096), config, config=config))
     return out
 
 

@@ -3,7 +3,7 @@
 A step's tokens come packed in one (T, hidden) tensor: all prompts' new tokens in a prefill step, one token per
 sequence in a decode step. Per layer::
 
-    add_rms_norm -> qkv GEMM -> apply_rope -> store_kv (K, V into the paged pool)
+    add_rms_norm -> qkv GEMM -> rope_store_kv (q rotated; K rotated and V written into the paged pool)
       -> attention: prefill  flash_attention (nothing cached) or paged_prefill_attention (a cached prefix)
                     decode   paged_attention
     -> o GEMM -> add_rms_norm -> gate_up GEMM -> swiglu -> down GEMM
@@ -67,27 +67,22 @@ class DecoderLayer(nn.Module):
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) normed; cos, sin: (T, head_dim). Writes the new K/V into the pool; returns (T, hidden)."""
-        tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], dim=-1)
-        # Copies of q and k (small: T rows): apply_rope's outputs keep its inputs' layout, and the rotated q and k
-        # must come out as contiguous (T, heads, D) rows, for store_kv and for flash_attention's batched views.
-        q = q.contiguous().view(tokens, self.heads, self.head_dim)
-        k = k.contiguous().view(tokens, self.kv_heads, self.head_dim)
-        v = v.view(tokens, self.kv_heads, self.head_dim)  # (T, Hkv, D), rows strided: store_kv accepts that
-        # apply_rope wants (B, H, T, D): the packed tokens are one batch row. Its outputs keep the inputs' strides.
-        q, k = ops.apply_rope(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos, sin)
-        q, k = q[0].transpose(0, 1), k[0].transpose(0, 1)  # back to (T, H, D), (T, Hkv, D)
-        ops.store_kv(k, v, k_cache, v_cache, ctx.slots, validate=False)  # slots come from the block manager
+        tokens, d = x.shape[0], self.head_dim
+        qkv = self.qkv_proj(x)
+        # One launch: q rotated (returned), k rotated and v written into the pool at the tokens' slots.
+        q = ops.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, num_heads=self.heads,
+                              num_kv_heads=self.kv_heads, validate=False)  # slots come from the block manager
         if not ctx.is_prefill:
             out = ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, num_splits=ctx.decode_splits,
                                       validate=False)
         elif ctx.flash_groups is None:
             out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts,
                                               ctx.max_query_len, validate=False)
-        else:
+        else:  # flash_attention reads the new tokens' k (rotated: from the pool) and v (qkv's own columns)
+            k = k_cache.view(-1, self.kv_heads, d)[ctx.slots]
+            v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)
             out = self._flash_prefill(q, k, v, ctx.flash_groups)
-        return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
+        return self.o_proj(out.reshape(tokens, self.heads * d))
 
     def _flash_prefill(self, q, k, v, groups) -> torch.Tensor:
         """Prompts with nothing cached: causal flash_attention on their own fresh K/V, one call per prompt length."""
