@@ -22,13 +22,13 @@ import torch  # noqa: E402
 
 from lessonlib import bench, reference, runtime  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
-from lessonlib.cases.cuda_graphs import decode_step_cases, pool_mb, same  # noqa: E402
+from lessonlib.cases.cuda_graphs import LAYER_SIZES, SMOKE_LAYER_SIZES, decode_step_cases, pool_mb, same  # noqa: E402
 from lessonlib.cuda_graphs import launch_modes  # noqa: E402
 from lessonlib.decoder import DecoderLayer  # noqa: E402
 from lessonlib.measure import warm_up_gpu  # noqa: E402
 from lessonlib.results import Benchmark, Op  # noqa: E402
 
-MLP_SIZES, SMOKE_MLP_SIZES = (4096, 14336), (64, 128)  # hidden, intermediate
+MLP_SIZES, SMOKE_MLP_SIZES = LAYER_SIZES, SMOKE_LAYER_SIZES  # hidden, intermediate
 MLP_TOKENS, SMOKE_MLP_TOKENS = (1, 8, 128, 2048), (1, 8)
 HEADS, SMOKE_HEADS = (32, 8, 128), (4, 2, 16)  # query heads, KV heads, head_dim
 STEP_SHAPES = [(1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192)]  # (batch, context)

@@ -71,7 +71,7 @@ def speed_cases(run, shapes, implementations):
             check_close("flash_attention", ops.flash_attention(*one, causal=causal),
                         reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal))
 
-        timed = {impl: (lambda fn=fn: fn(q, k, v, causal)) for impl, fn in implementations.items()}
+        timed = {impl: (lambda fn=fn, q=q, k=k, v=v: fn(q, k, v, causal)) for impl, fn in implementations.items()}
         yield Case(Op.FORWARD, shape, timed, check, flops=flops, may_fail=failing)
         for impl, fn in implementations.items():
             if impl == Impl.NAIVE and n > NAIVE_BACKWARD_MAX_N:
