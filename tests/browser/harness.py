@@ -31,6 +31,20 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
+def excerpt(path: Path, cell_ids: list[str], folder: Path) -> Path:
+    """A notebook made of ``path``'s own cells ``cell_ids`` (in that order), written to ``folder`` under the same
+    name: a browser test runs the lesson's real widget cell after its set-up cell, without the whole lesson."""
+    notebook = nbformat.read(path, as_version=4)
+    by_id = {cell.get("id"): cell for cell in notebook.cells}
+    missing = [i for i in cell_ids if i not in by_id]
+    if missing:
+        raise KeyError(f"{path.name} has no cell {missing}")
+    notebook.cells = [by_id[i] for i in cell_ids]
+    out = folder / path.name
+    nbformat.write(notebook, out)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -125,6 +139,16 @@ class JupyterLab:
             timeout=timeout_ms,
         )
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
+
+    def shut_down_kernels(self) -> None:
+        """Stop every kernel this server runs (a test that opened several notebooks leaves none behind)."""
+        import json
+
+        url = f"{self.url}/api/kernels?token={self.token}"
+        for kernel in json.load(urllib.request.urlopen(url, timeout=10)):
+            request = urllib.request.Request(f"{self.url}/api/kernels/{kernel['id']}?token={self.token}",
+                                             method="DELETE")
+            urllib.request.urlopen(request, timeout=30)
 
     def slider(self, page, label: str):
         """The handle of the ipywidgets slider whose description is ``label``."""
