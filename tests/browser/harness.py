@@ -31,16 +31,19 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
-def excerpt(path: Path, cell_ids: list[str], folder: Path) -> Path:
-    """A notebook made of ``path``'s own cells ``cell_ids`` (in that order), written to ``folder`` under the same
-    name: a browser test runs the lesson's real widget cell after its set-up cell, without the whole lesson."""
-    notebook = nbformat.read(path, as_version=4)
-    by_id = {cell.get("id"): cell for cell in notebook.cells}
-    missing = [i for i in cell_ids if i not in by_id]
-    if missing:
-        raise KeyError(f"{path.name} has no cell {missing}")
-    notebook.cells = [by_id[i] for i in cell_ids]
-    out = folder / path.name
+def excerpt(cells: list[tuple[Path, str]], out: Path) -> Path:
+    """A notebook made of the lesson notebooks' own cells, ``(notebook, cell id)`` in that order, written to
+    ``out``: a browser test runs the lessons' real widget cells after a set-up cell, without the whole lessons."""
+    found = []
+    for path, cell_id in cells:
+        by_id = {cell.get("id"): cell for cell in nbformat.read(path, as_version=4).cells}
+        if cell_id not in by_id:
+            raise KeyError(f"{path.name} has no cell {cell_id!r}")
+        found.append(by_id[cell_id])
+    notebook = nbformat.read(cells[0][0], as_version=4)
+    for cell in found:  # two lessons' cells may share an id
+        cell.id = f"{len(notebook.cells)}-{cell.id}"[:64]
+    notebook.cells = found
     nbformat.write(notebook, out)
     return out
 
@@ -117,8 +120,11 @@ class JupyterLab:
             finally:
                 browser.close()
 
-    def open(self, page, name: str, timeout_ms: int = 90_000) -> None:
-        page.goto(f"{self.url}/lab/tree/{name}?token={self.token}")
+    def open(self, page, name: str, timeout_ms: int = 90_000, workspace: str | None = None) -> None:
+        """Open notebook ``name``; with ``workspace``, in a workspace of that name, so that a test opening several
+        notebooks on one server does not get the previous one restored beside it."""
+        where = f"workspaces/{workspace}/tree" if workspace else "tree"
+        page.goto(f"{self.url}/lab/{where}/{name}?token={self.token}")
         page.wait_for_selector(".jp-Notebook", timeout=timeout_ms)
         # A fresh JupyterLab may ask which kernel to start; the notebook's own (python3) is preselected.
         dialog = page.locator(".jp-Dialog:has-text('Select Kernel') button:has-text('Select')")
