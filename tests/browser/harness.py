@@ -41,8 +41,8 @@ def excerpt(cells: list[tuple[Path, str]], out: Path) -> Path:
             raise KeyError(f"{path.name} has no cell {cell_id!r}")
         found.append(by_id[cell_id])
     notebook = nbformat.read(cells[0][0], as_version=4)
-    for cell in found:  # two lessons' cells may share an id
-        cell.id = f"{len(notebook.cells)}-{cell.id}"[:64]
+    for number, cell in enumerate(found):  # two lessons' cells may share an id
+        cell.id = f"{number}-{cell.id}"[:64]
     notebook.cells = found
     nbformat.write(notebook, out)
     return out
