@@ -135,3 +135,17 @@ def test_live_measurement_checks_lessonlib_then_times_the_case_in_the_recorded_f
     with pytest.raises(AssertionError):
         spec.live(op, shape)
     assert not timed
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="GPU only: times each lesson's case live")
+@pytest.mark.parametrize("lesson", sorted(widgets.LESSONS))
+def test_measure_on_this_gpu_draws_the_live_case_beside_the_recorded_one(lesson):
+    """On a GPU: ticking "measure on this GPU" times the view's case (checked first) and shows lessonlib's number."""
+    view = widgets.recorded_run_explorer(lesson)
+    shown = widgets.drive(view, measure_here=True)
+    plt.close("all")
+    spec = widgets.LESSONS[lesson]
+    assert shown["skipped"] is None and shown["live"], shown
+    ours = next(i for i in spec.impls if i in shown["live"])
+    assert all(v is not None and v > 0 for v in shown["live"][ours].values()), shown["live"]
+    assert set(shown["live"]) <= set(spec.impls) and set(shown["recorded"]) <= set(spec.impls)
