@@ -22,26 +22,17 @@ import torch  # noqa: E402
 
 from lessonlib import bench, reference, runtime  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
-from lessonlib.cuda_graphs import Graphed, launch_modes  # noqa: E402
-from lessonlib.decoder import DecoderLayer, next_token_inputs  # noqa: E402
-from lessonlib.kv_cache import PagedKVCache  # noqa: E402
-from lessonlib.measure import count_launches, time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+from lessonlib.cases.cuda_graphs import LAYER_SIZES, SMOKE_LAYER_SIZES, decode_step_cases, pool_mb, same  # noqa: E402
+from lessonlib.cuda_graphs import launch_modes  # noqa: E402
+from lessonlib.decoder import DecoderLayer  # noqa: E402
+from lessonlib.measure import warm_up_gpu  # noqa: E402
+from lessonlib.results import Benchmark, Op  # noqa: E402
 
-MLP_SIZES, SMOKE_MLP_SIZES = (4096, 14336), (64, 128)  # hidden, intermediate
+MLP_SIZES, SMOKE_MLP_SIZES = LAYER_SIZES, SMOKE_LAYER_SIZES  # hidden, intermediate
 MLP_TOKENS, SMOKE_MLP_TOKENS = (1, 8, 128, 2048), (1, 8)
 HEADS, SMOKE_HEADS = (32, 8, 128), (4, 2, 16)  # query heads, KV heads, head_dim
 STEP_SHAPES = [(1, 1024), (8, 1024), (64, 1024), (1, 8192), (8, 8192), (64, 8192)]  # (batch, context)
 SMOKE_STEP_SHAPES = [(1, 40), (2, 40)]
-BLOCK_SIZE = 16
-
-
-def same(name, got, want):
-    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item(), msg=name)
-
-
-def pool_mb(fn) -> dict:
-    return {"pool_mb": round(fn.pool_bytes / 2**20, 1)} if isinstance(fn, Graphed) else {}
 
 
 def gated_mlp_cases(run, mlp, hidden, inter, token_counts):
@@ -53,38 +44,6 @@ def gated_mlp_cases(run, mlp, hidden, inter, token_counts):
         for impl, fn in modes(x).items():
             yield Case(Op.GATED_MLP, {"T": tokens, "H": hidden, "I": inter}, {impl: lambda fn=fn: fn(x)},
                        lambda fn=fn, impl=impl: same(impl, fn(x), want), fields=pool_mb(fn))
-
-
-def decode_step_cases(run, layer, hidden, heads, shapes):
-    """One decoder layer's decode step: plain PyTorch, lessonlib's fused kernels, the fused step graph-replayed."""
-    heads, kv_heads, head_dim = heads
-    for batch, context in shapes:
-        max_blocks = -(-(context + 64) // BLOCK_SIZE)
-        cache = PagedKVCache(batch * max_blocks, BLOCK_SIZE, kv_heads, head_dim, dtype=run.dtype,
-                             device=runtime.device())
-        seqs = list(range(batch))
-        for seq in seqs:
-            cache.add_sequence(seq)
-            cache.append(seq, torch.randn(context, kv_heads, head_dim, device=runtime.device(), dtype=run.dtype),
-                         torch.randn(context, kv_heads, head_dim, device=runtime.device(), dtype=run.dtype))
-        x = torch.randn(batch, hidden, device=runtime.device(), dtype=run.dtype)
-        inputs = next_token_inputs(cache, seqs, x, torch.zeros_like(x), max_blocks)
-        shape = {"B": batch, "context": context, "H": hidden, "heads": heads, "kv_heads": kv_heads, "D": head_dim}
-        want, _ = layer.step(inputs, cache.k_cache, cache.v_cache)
-        for impl, step in {Impl.EAGER_STEP: layer.step, Impl.FUSED_STEP: layer.fused_step}.items():
-            yield Case(Op.DECODE_STEP, shape, {impl: lambda step=step: step(inputs, cache.k_cache, cache.v_cache)},
-                       lambda step=step, impl=impl: same(impl, step(inputs, cache.k_cache, cache.v_cache)[0], want),
-                       fields={"launches": count_launches(step, inputs, cache.k_cache, cache.v_cache).total})
-        if runtime.on_gpu():
-            # Only the fused step is graph-safe: the plain step's reference.paged_attention reads each seq_len
-            # on the host (int(seq_lens[b])), a device sync, which capture forbids.
-            static = list(vars(inputs).values())
-            graphed = Graphed(lambda *t: layer.fused_step(type(inputs)(*t), cache.k_cache, cache.v_cache),
-                              *[t.clone() for t in static])
-            yield Case(Op.DECODE_STEP, shape, {Impl.FUSED_STEP_GRAPH: lambda: graphed(*static)},
-                       lambda: same("graphed fused step", graphed(*static)[0], want),
-                       fields={**pool_mb(graphed),  # the same kernels, one launch call:
-                               "launches": count_launches(graphed.graph.replay).total})
 
 
 def main():

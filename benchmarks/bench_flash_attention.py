@@ -37,10 +37,10 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from lessonlib.bench import Case  # noqa: E402
+from lessonlib.cases.flash_attention import forward_flops, inputs, peers, speed_cases  # noqa: E402
 from lessonlib.measure import gbps, measure_ceilings, time_copy, warm_up_gpu  # noqa: E402
 from lessonlib.ops.flash_attention import _attend_tiles, backward, backward_config, forward_config  # noqa: E402
-from lessonlib.results import (SDPA_BACKEND_IMPLS, Benchmark, Impl, Op, kernels_sweep_label,  # noqa: E402
-                               sweep_label)
+from lessonlib.results import Benchmark, Impl, Op, kernels_sweep_label, sweep_label  # noqa: E402
 from lessonlib.testing import check_close, to_float64  # noqa: E402
 
 # (batch, heads, N, head_dim, causal): the target shapes, then N swept for the notebook's plot (B·N = 16k tokens).
@@ -48,7 +48,6 @@ TARGETS = [(2, 32, 4096, 128, False), (2, 32, 4096, 128, True), (4, 16, 2048, 64
 N_SWEEP = [(max(1, 16384 // n), 32, n, 128, causal) for n in (512, 1024, 2048, 4096, 8192, 16384)
            for causal in (False, True)]
 SMOKE_SHAPES = [(1, 2, 40, 32, False), (1, 2, 40, 32, True), (2, 2, 64, 16, True)]
-NAIVE_BACKWARD_MAX_N = 4096  # naive's backward keeps the score matrix and its gradient: beyond, it only measures OOM
 # A bounded sweep of the kernels' tiles at the target shapes (ops.flash_attention's and backward's config=).
 FORWARD_CONFIGS = [dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st) for bm, bn, w, st in (
     (64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (64, 64, 4, 4), (128, 128, 8, 3), (64, 128, 4, 3))]
@@ -152,74 +151,6 @@ def forward_variant(q, k, v, variant):
     _forward_variant_kernel[(n // config["BLOCK_M"], batch * heads)](
         q, k, v, out, n, head_dim, head_dim ** -0.5 * 1.4426950408889634, VARIANT=variant, HEAD_DIM=head_dim, **config)
     return out
-
-
-def forward_flops(batch, heads, n_q, n_kv, head_dim, causal):
-    flops = 4 * batch * heads * n_q * n_kv * head_dim
-    return flops / 2 if causal else flops
-
-
-def peers():
-    """Every implementation timed: lessonlib, naive attention, and SDPA forced onto each backend (on CPU: SDPA as
-    PyTorch chooses)."""
-    found = {Impl.LESSONLIB: lambda q, k, v, causal, **kw: ops.flash_attention(q, k, v, causal=causal, **kw),
-             Impl.NAIVE: lambda q, k, v, causal: reference.attention(q, k, v, causal=causal)}
-    if not runtime.on_gpu():
-        return {**found, Impl.SDPA: lambda q, k, v, causal: sdpa.scaled_dot_product_attention(q, k, v, causal)}
-    for backend in sdpa.BACKENDS:
-        if backend in SDPA_BACKEND_IMPLS:
-            found[SDPA_BACKEND_IMPLS[backend]] = lambda q, k, v, causal, b=backend: sdpa.scaled_dot_product_attention(
-                q, k, v, causal, backends=(b,))
-    return found
-
-
-def backward_of(fn, q, k, v, causal):
-    """A closure timing only the backward: the forward runs once, its graph is kept for every repetition."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    out = fn(q, k, v, causal)
-    grad = torch.randn_like(out)
-    return lambda: torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
-
-
-def inputs(run, batch, heads, n, head_dim, n_q=None):
-    """q (n_q rows, default n), k, v, and their first batch entry's first two heads: the slice checked in float64
-    (the float64 scores of every head would cost 10s of GB)."""
-    def randn(rows):
-        return torch.randn(batch, heads, rows, head_dim, device=runtime.device(), dtype=torch.float32).to(run.dtype)
-
-    q, k, v = randn(n if n_q is None else n_q), randn(n), randn(n)
-    return q, k, v, (q[:1, :2], k[:1, :2], v[:1, :2])
-
-
-def _error(error):
-    return f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
-
-
-def speed_cases(run, shapes, implementations):
-    """Forward, then backward, of every implementation at each shape; lessonlib checked against float64 first."""
-    for batch, heads, n, head_dim, causal in dict.fromkeys(shapes):
-        q, k, v, one = inputs(run, batch, heads, n, head_dim)
-        shape = {"B": batch, "H": heads, "N": n, "D": head_dim, "causal": causal}
-        flops = forward_flops(batch, heads, n, n, head_dim, causal)
-        failing = tuple(i for i in implementations if i != Impl.LESSONLIB)  # out of memory, or a backend refusing
-
-        def check(one=one, causal=causal):
-            check_close("flash_attention", ops.flash_attention(*one, causal=causal),
-                        reference.attention(*to_float64(*one), causal=causal), reference.attention(*one, causal=causal))
-
-        timed = {impl: (lambda fn=fn: fn(q, k, v, causal)) for impl, fn in implementations.items()}
-        yield Case(Op.FORWARD, shape, timed, check, flops=flops, may_fail=failing)
-        for impl, fn in implementations.items():
-            if impl == Impl.NAIVE and n > NAIVE_BACKWARD_MAX_N:
-                continue
-            try:
-                closure = backward_of(fn, q, k, v, causal)
-            except (torch.OutOfMemoryError, RuntimeError) as error:
-                run.record(Op.BACKWARD, impl, shape, None, error=_error(error))
-                continue
-            yield Case(Op.BACKWARD, shape, {impl: closure}, flops=2.5 * flops, may_fail=failing)
-            del closure
-        del q, k, v
 
 
 def tile_sweep_cases(run, shapes, forward_configs, backward_configs):

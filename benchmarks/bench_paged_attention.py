@@ -18,10 +18,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
+from lessonlib.cases.paged_attention import decode_case  # noqa: E402
 from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
 from lessonlib.ops.rope_store_kv import apply_rope_then_store_kv  # noqa: E402
 from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
@@ -44,55 +44,18 @@ ROPE_STORE_KV_SHAPES = [(t, d) for d in (64, 128) for t in (1, 8, 32, 64, 4096)]
 SMOKE_ROPE_STORE_KV_SHAPES = [(1, 32), (7, 32)]
 
 
-def build(batch, context, heads, kv_heads, head_dim, block_size, dtype):
-    """A pool holding every sequence's blocks in shuffled order, the block tables, and the same K/V contiguous."""
-    device = runtime.device()
-    blocks_per_seq = -(-context // block_size)
-    num_blocks = batch * blocks_per_seq
-    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=torch.float32).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=torch.float32).to(dtype)
-    table = torch.randperm(num_blocks, device=device).to(torch.int32).reshape(batch, blocks_per_seq)
-    lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    q = torch.randn(batch, heads, head_dim, device=device, dtype=torch.float32).to(dtype)
-    return q, k_cache, v_cache, table, lens
-
-
-def gather(cache, table, context):
-    """(B, Hkv, context, D): the pages of each sequence, in logical order."""
-    b, n = table.shape
-    pages = cache[table.long().reshape(-1)].reshape(b, n * cache.shape[1], cache.shape[2], cache.shape[3])
-    return pages[:, :context].transpose(1, 2)
-
-
-def sdpa(q, k, v):
-    return F.scaled_dot_product_attention(q[:, :, None], k, v, enable_gqa=True)[:, :, 0]
-
-
 def paged_attention_cases(run, smoke):
     """Decode attention at each (batch, context): lessonlib, its peers, and the knobs' sweep."""
     heads, kv_heads, head_dim, block_size = SMOKE_HEADS if smoke else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
     for batch, context in SMOKE_CONTEXTS if smoke else CONTEXTS:
-        q, k_cache, v_cache, table, lens = build(batch, context, heads, kv_heads, head_dim, block_size, run.dtype)
-        paged = (q, k_cache, v_cache, table, lens)
-        truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, lens)
-        low = reference.paged_attention(*paged)
-        k, v = gather(k_cache, table, context).contiguous(), gather(v_cache, table, context).contiguous()
-        nbytes = 2 * batch * context * kv_heads * head_dim * k.element_size()
-        shape = {"B": batch, "context": context, "H": heads, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
-        # The kernels with validate=False; the table checks cost a device sync per call (timed separately, and
-        # a sync cannot be graph-captured).
-        peers = {Impl.LESSONLIB: lambda: ops.paged_attention(*paged, validate=False),
-                 Impl.TABLES_VALIDATED: lambda: ops.paged_attention(*paged),
-                 Impl.SDPA_CONTIGUOUS: lambda: sdpa(q, k, v),
-                 Impl.GATHER_THEN_SDPA: lambda: sdpa(q, gather(k_cache, table, context), gather(v_cache, table, context))}
-        graphed = tuple(i for i in peers if i != Impl.TABLES_VALIDATED)
-        yield Case(Op.PAGED_ATTENTION, shape, peers, lambda: check_close("paged_attention", ops.paged_attention(*paged),
-                                                                         truth, low), nbytes, graphed=graphed)
+        case, paged, (truth, low), shape, nbytes = decode_case(batch, context, heads, kv_heads, head_dim, block_size,
+                                                               run.dtype)
+        yield case
         yield from flex_case(run, paged, truth, low, shape, nbytes)
         knobs = KNOBS[:2] if smoke else KNOBS
         yield Case(Op.PAGED_ATTENTION, shape, {sweep_label(kw): (lambda kw=kw: ops.paged_attention(
             *paged, validate=False, **kw)) for kw in knobs}, nbytes=nbytes, graphed=tuple(map(sweep_label, knobs)))
-        del q, k_cache, v_cache, k, v, paged
+        del case, paged, truth, low
 
 
 def flex_case(run, paged, truth, low, shape, nbytes):

@@ -60,24 +60,39 @@ def _fused_bytes(op: str, shape: dict, itemsize: int) -> int:
     return traffic.apply_rope(shape["B"], shape["H"], shape["Hkv"], shape["T"], shape["D"], itemsize).fused.bytes
 
 
+def calls(op: str, shape: dict) -> tuple[dict, tuple, object, int]:
+    """Each implementation of ``op`` (eager PyTorch, torch.compile, lessonlib) as a call on fresh inputs of ``shape``
+    in ``runtime.dtype()``, the inputs, a check of lessonlib's output against float64 (it raises when wrong; run it
+    before timing) and the fused kernel's bytes, as the recorded run counts them."""
+    from lessonlib.testing import check_close, to_float64
+
+    if op not in FUSED_OPS:
+        raise ValueError(f"measured.calls: op must be one of {FUSED_OPS}, got {op!r}")
+    dtype = runtime.dtype()
+    args = _inputs(op, shape, dtype)
+    fns = {Impl.EAGER: getattr(reference, op), Impl.COMPILE: torch.compile(getattr(reference, op), dynamic=False),
+           Impl.LESSONLIB: getattr(ops, op)}
+
+    def check():
+        outs, truths, lows = (fns[Impl.LESSONLIB](*args), getattr(reference, op)(*to_float64(*args)),
+                              getattr(reference, op)(*args))
+        for i, (out, truth, low) in enumerate(zip(*(o if isinstance(o, tuple) else (o,) for o in (outs, truths, lows)))):
+            check_close(f"{op} output {i}", out, truth, low)
+
+    return fns, args, check, _fused_bytes(op, shape, torch.finfo(dtype).bits // 8)
+
+
 def live_gbps(op: str, shape: dict) -> dict[str, float]:
     """GB/s of each implementation of ``op`` at ``shape``, and of a copy of the same bytes (``Impl.COPY``, this
     GPU's ceiling), measured on this GPU in ``runtime.dtype()`` (the bytes: the fused kernel's, as the recorded run
-    counts them). Raises RuntimeError without a GPU: the interpreter's timings say nothing about a GPU."""
+    counts them), lessonlib's output checked against float64 first. Raises RuntimeError without a GPU: the
+    interpreter's timings say nothing about a GPU."""
     from lessonlib.measure import compare_bandwidth
-    from lessonlib.testing import check_close, to_float64
 
     if op not in FUSED_OPS:
         raise ValueError(f"live_gbps: op must be one of {FUSED_OPS}, got {op!r}")
     if not runtime.on_gpu():
         raise RuntimeError("live_gbps: measuring needs a GPU (Triton's interpreter times Python, not a kernel)")
-    dtype = runtime.dtype()
-    args = _inputs(op, shape, dtype)
-    fns = {Impl.EAGER: getattr(reference, op), Impl.COMPILE: torch.compile(getattr(reference, op), dynamic=False),
-           Impl.LESSONLIB: getattr(ops, op)}
-    outs, truths, lows = (fns[Impl.LESSONLIB](*args), getattr(reference, op)(*to_float64(*args)),
-                          getattr(reference, op)(*args))
-    for i, (out, truth, low) in enumerate(zip(*(o if isinstance(o, tuple) else (o,) for o in (outs, truths, lows)))):
-        check_close(f"{op} output {i}", out, truth, low)
-    nbytes = _fused_bytes(op, shape, torch.finfo(dtype).bits // 8)
+    fns, args, check, nbytes = calls(op, shape)
+    check()
     return compare_bandwidth(fns, *args, nbytes=nbytes)

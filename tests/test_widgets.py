@@ -62,3 +62,90 @@ def test_live_gbps_checks_then_times_each_implementation(monkeypatch, op, shape)
     got = measured.live_gbps(op, shape)
     nbytes = measured._fused_bytes(op, shape, torch.finfo(runtime.dtype()).bits // 8)
     assert got == {impl: nbytes / 2e-6 / 1e9 for impl in (*measured.IMPLS, Impl.COPY)} and len(timed) == 4
+
+
+@pytest.mark.parametrize("lesson", sorted(widgets.LESSONS))
+def test_recorded_run_views_show_the_committed_run_for_the_case_and_implementations_chosen(lesson):
+    """Lessons 02-05: each case shows the recorded file's numbers for the implementations ticked, and on CPU the
+    live part says why nothing was measured."""
+    from lessonlib import results
+
+    spec = widgets.LESSONS[lesson]
+    recorded = results.load(spec.name)
+    view = widgets.recorded_run_explorer(lesson, recorded)
+    cases = spec.cases(recorded)
+    assert len(cases) >= 2 and list(view.controls["case"].options) == list(cases)
+    first, last = list(cases)[0], list(cases)[-1]
+    shown = {case: widgets.drive(view, case=case) for case in (first, last)}
+    plt.close("all")
+    assert shown[first] != shown[last]
+    for case, got in shown.items():
+        op, shape = cases[case]
+        assert (got["op"], got["shape"]) == (op, shape) and got["live"] is None
+        records = {r["impl"]: r for r in recorded.select(op=op, **shape) if spec.shown(r)}
+        assert set(got["recorded"]) == set(records) and records
+        for impl, values in got["recorded"].items():
+            for field in spec.fields:
+                want = (records[spec.baseline]["us"] / records[impl]["us"] if field == "speedup"
+                        else records[impl].get(field))
+                assert values[field] == pytest.approx(want), (case, impl, field)
+    one = view.controls["impls"].options[0]
+    narrowed = widgets.drive(view, case=first, impls=(one,), measure_here=True)
+    plt.close("all")
+    assert set(narrowed["recorded"]) == {one} and narrowed["live"] is None and "no GPU" in narrowed["skipped"]
+    assert view.result == shown[first]  # drive() left the controls, and so the figure, where they were
+
+
+TINY = {"flash_attention": ("forward", {"B": 1, "H": 2, "N": 24, "D": 16, "causal": True}),
+        "paged_attention": ("paged_attention", {"B": 2, "context": 37, "H": 4, "Hkv": 2, "D": 16, "block_size": 16}),
+        "torch_compile": ("gated_mlp", {"T": 5, "H": 32, "I": 48}),
+        "cuda_graphs": ("decode_step", {"B": 2, "context": 19, "H": 64, "heads": 4, "kv_heads": 2, "D": 16})}
+
+
+@pytest.mark.parametrize("lesson", sorted(TINY))
+def test_live_measurement_checks_lessonlib_then_times_the_case_in_the_recorded_fields(monkeypatch, lesson):
+    """The GPU path at tiny sizes, run here in the interpreter (torch.compile stood in for by the eager function:
+    Inductor's CPU build is not what is tested): records in the recorded file's fields, then the same with
+    lessonlib's output made wrong, which the float64 check must refuse before anything is timed."""
+    import torch
+
+    from lessonlib import measure, ops
+    from lessonlib.ops import gated_mlp
+
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    spec, (op, shape) = widgets.LESSONS[lesson], TINY[lesson]
+    timed = []
+    real_time_fn = measure.time_fn
+    monkeypatch.setattr(measure, "time_fn", lambda fn, *a, **k: timed.append(fn) or real_time_fn(fn, *a, cpu_reps=1))
+    records = spec.live(op, shape)
+    values = spec.values(records, op, shape)
+    assert values and timed, records
+    assert all(None not in got.values() for got in values.values()), values  # (GB/s may round to 0.0 here)
+    assert all(r["us"] > 0 for r in records), records
+    module, wrong = {"flash_attention": (ops, "flash_attention"), "paged_attention": (ops, "paged_attention"),
+                     "torch_compile": (gated_mlp, "swiglu"), "cuda_graphs": (ops, "paged_attention")}[lesson]
+    real = getattr(module, wrong)
+
+    def off_by_one(*args, **kwargs):
+        out = real(*args, **kwargs)
+        return (out[0] + 1, *out[1:]) if isinstance(out, tuple) else out + 1
+
+    monkeypatch.setattr(module, wrong, off_by_one)
+    timed.clear()
+    with pytest.raises(AssertionError):
+        spec.live(op, shape)
+    assert not timed
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="GPU only: times each lesson's case live")
+@pytest.mark.parametrize("lesson", sorted(widgets.LESSONS))
+def test_measure_on_this_gpu_draws_the_live_case_beside_the_recorded_one(lesson):
+    """On a GPU: ticking "measure on this GPU" times the view's case (checked first) and shows lessonlib's number."""
+    view = widgets.recorded_run_explorer(lesson)
+    shown = widgets.drive(view, measure_here=True)
+    plt.close("all")
+    spec = widgets.LESSONS[lesson]
+    assert shown["skipped"] is None and shown["live"], shown
+    ours = next(i for i in spec.impls if i in shown["live"])
+    assert all(v is not None and v > 0 for v in shown["live"][ours].values()), shown["live"]
+    assert set(shown["live"]) <= set(spec.impls) and set(shown["recorded"]) <= set(spec.impls)

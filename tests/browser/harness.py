@@ -31,6 +31,23 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
+def excerpt(cells: list[tuple[Path, str]], out: Path) -> Path:
+    """A notebook made of the lesson notebooks' own cells, ``(notebook, cell id)`` in that order, written to
+    ``out``: a browser test runs the lessons' real widget cells after a set-up cell, without the whole lessons."""
+    found = []
+    for path, cell_id in cells:
+        by_id = {cell.get("id"): cell for cell in nbformat.read(path, as_version=4).cells}
+        if cell_id not in by_id:
+            raise KeyError(f"{path.name} has no cell {cell_id!r}")
+        found.append(by_id[cell_id])
+    notebook = nbformat.read(cells[0][0], as_version=4)
+    for number, cell in enumerate(found):  # two lessons' cells may share an id
+        cell.id = f"{number}-{cell.id}"[:64]
+    notebook.cells = found
+    nbformat.write(notebook, out)
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -103,8 +120,11 @@ class JupyterLab:
             finally:
                 browser.close()
 
-    def open(self, page, name: str, timeout_ms: int = 90_000) -> None:
-        page.goto(f"{self.url}/lab/tree/{name}?token={self.token}")
+    def open(self, page, name: str, timeout_ms: int = 90_000, workspace: str | None = None) -> None:
+        """Open notebook ``name``; with ``workspace``, in a workspace of that name, so that a test opening several
+        notebooks on one server does not get the previous one restored beside it."""
+        where = f"workspaces/{workspace}/tree" if workspace else "tree"
+        page.goto(f"{self.url}/lab/{where}/{name}?token={self.token}")
         page.wait_for_selector(".jp-Notebook", timeout=timeout_ms)
         # A fresh JupyterLab may ask which kernel to start; the notebook's own (python3) is preselected.
         dialog = page.locator(".jp-Dialog:has-text('Select Kernel') button:has-text('Select')")
@@ -125,6 +145,16 @@ class JupyterLab:
             timeout=timeout_ms,
         )
         page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=timeout_ms)
+
+    def shut_down_kernels(self) -> None:
+        """Stop every kernel this server runs (a test that opened several notebooks leaves none behind)."""
+        import json
+
+        url = f"{self.url}/api/kernels?token={self.token}"
+        for kernel in json.load(urllib.request.urlopen(url, timeout=10)):
+            request = urllib.request.Request(f"{self.url}/api/kernels/{kernel['id']}?token={self.token}",
+                                             method="DELETE")
+            urllib.request.urlopen(request, timeout=30)
 
     def slider(self, page, label: str):
         """The handle of the ipywidgets slider whose description is ``label``."""

@@ -14,6 +14,7 @@ import torch
 from lessonlib import plots, traffic
 from lessonlib.results import Ceilings
 
+from lessonlib.widgets.recorded import LESSONS, RecordedRun, recorded_run_explorer, show_recorded_run  # noqa: F401 (re-exported)
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 
 
