@@ -78,6 +78,7 @@ class Op:
     DECODE_STEP = "decode_step"  # one decoder layer's decode step
     GENERATE = "generate"
     ENGINE_STEPS = "engine_steps"
+    LADDER = "tokens_per_s_ladder"  # lesson 07: the engine with each course step switched on in turn
     DECODE_STEP_PART = "decode_step_part"
     DECODE_STEP_LIMIT = "decode_step_limit"
     READ = "read"  # headline: the bandwidth a plain read reaches
@@ -143,6 +144,13 @@ class Impl:
     ENGINE_GRAPHS = "lessonlib engine, CUDA graphs"
     ENGINE_EAGER = "lessonlib engine, eager"
     WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
+    # the tokens/s ladder's rungs (lessonlib.engine.features.ladder), cumulative
+    RUNG_PLAIN = "plain PyTorch"
+    RUNG_FUSED_OPS = "+ fused ops"
+    RUNG_FLASH_PREFILL = "+ FlashAttention prefill"
+    RUNG_PAGED_DECODE = "+ paged decode"
+    RUNG_CUDA_GRAPHS = "+ CUDA graphs"
+    RUNG_CONTINUOUS_BATCHING = "+ continuous batching"
     # headline's read ceiling
     SUM_READ = "sum (reads every byte once)"
     COPY_READ_WRITE = "copy (reads and writes half each)"

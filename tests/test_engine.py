@@ -221,3 +221,55 @@ def test_simulated_arrivals_never_overfill_the_pool():
     assert max(r.blocks_used for r in records) <= 64
     assert records[-1].preemptions > 0 and max(r.blocks_reserved for r in records) > 64  # the point of paging
     assert records[-1].cached_tokens > 0
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_every_rung_of_the_ladder_gives_transformers_tokens(path):
+    from lessonlib.engine.ladder import run_ladder
+
+    # Two seats for three requests of different lengths and output lengths: static batching must wait for the first
+    # batch's longest request, continuous batching admits the third as soon as a seat frees. The third shares the
+    # first's prefix: its prefill reads cached blocks (paged_prefill_attention, or gather + attention when off).
+    prompts = [PREFIX + " FlashAttention computes it tile by tile.", "Hello, my name is", PREFIX + " a paged KV cache"]
+    lengths = [2, 4, 3]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    runs = run_ladder(str(path), prompts, params, dtype=DTYPE, max_num_seqs=2, num_blocks=32, max_model_len=256)
+    theirs = transformers_greedy(path, prompts, max(lengths))
+    assert [r.label for r in runs] == ["plain PyTorch", "+ fused ops", "+ FlashAttention prefill", "+ paged decode",
+                                       "+ continuous batching"]  # "+ CUDA graphs" is eager without a GPU
+    for run in runs:
+        for got, want, n in zip(run.tokens, theirs, lengths):
+            assert got == want[:n], f"{run.label}: engine {got}, transformers {want[:n]}"
+        assert run.blocks_in_use == 0 and run.cached_tokens > 0, run
+    static, continuous = runs[-2], runs[-1]
+    assert continuous.decode_steps < static.decode_steps  # the seat freed by the 2-token request is reused
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_the_plain_rung_calls_no_lessonlib_kernel(path, monkeypatch):
+    from lessonlib import ops
+    from lessonlib.engine import Features
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a lessonlib kernel ran with every feature off")
+
+    for name in ("add_rms_norm", "rope_store_kv", "swiglu", "flash_attention", "paged_attention",
+                 "paged_prefill_attention", "argmax"):
+        monkeypatch.setattr(ops, name, refuse)
+    plain = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=128,
+                features=Features(False, False, False, False, False))
+    prompts = ["Hello, my name is", PREFIX]
+    outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert_same_tokens(outs, transformers_greedy(path, prompts, 3), prompts)
+
+
+def test_features_are_checked_and_enforce_eager_turns_graphs_off(path):
+    from lessonlib.engine import Features
+
+    with pytest.raises(TypeError, match="fused_ops must be a bool"):
+        Features(fused_ops=1)
+    with pytest.raises(TypeError, match="features must be"):
+        LLM(model=str(path), dtype=DTYPE, features={"fused_ops": False})
+    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=64, enforce_eager=True,
+                features=Features(fused_ops=False))
+    assert eager.features == Features(fused_ops=False, cuda_graphs=False) and not eager.cuda_graphs

@@ -8,6 +8,8 @@
 The folder tree is the architecture (nano-vllm's layout):
 
     config.py          what config.json says, checked (supported architectures, RoPE type)
+    features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
+                       continuous batching): lesson 07's tokens/s ladder
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
     scheduler.py       continuous batching: admission, decode, preemption
@@ -18,10 +20,11 @@ The folder tree is the architecture (nano-vllm's layout):
 """
 
 from lessonlib.engine.config import ModelConfig
+from lessonlib.engine.features import Features, ladder
 from lessonlib.engine.llm import LLM, StepRecord
 from lessonlib.engine.sampler import top_p_filter
 from lessonlib.engine.scheduler import can_admit
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "StepRecord",
+__all__ = ["LLM", "Features", "ladder", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "StepRecord",
            "top_p_filter", "can_admit"]

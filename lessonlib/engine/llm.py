@@ -1,6 +1,6 @@
 """``LLM``: vLLM's offline interface over the engine's parts (scheduler, block manager, model runner, sampler).
 
-    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False)
+    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features())
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
 
@@ -11,7 +11,7 @@ any error the engine is empty and ready for the next call.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -19,6 +19,7 @@ import torch
 from lessonlib import runtime
 from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.config import ModelConfig
+from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner
 from lessonlib.engine.sampler import Sampler
@@ -47,8 +48,14 @@ class StepRecord:
 class LLM:
     def __init__(self, model: str | Path, dtype: torch.dtype | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_model_len: int | None = None, num_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False):
+                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                 features: Features | None = None):
         path = Path(model)
+        if features is not None and not isinstance(features, Features):
+            raise TypeError(f"features must be a lessonlib.engine.Features, got {type(features).__name__}")
+        features = features or Features()
+        if enforce_eager:  # vLLM's switch, kept: no CUDA graphs
+            features = replace(features, cuda_graphs=False)
         self.config = config = ModelConfig.from_folder(path)
         self.dtype = dtype = resolve_dtype(dtype)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
@@ -70,15 +77,16 @@ class LLM:
         # The longest sequence: what the positions allow and what the whole pool holds.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
         self.block_size, self.max_num_seqs, self.enforce_eager = block_size, max_num_seqs, enforce_eager
+        self.features = features
 
         self.tokenizer = _load_tokenizer(path)
-        self.model = Model(config, dtype, device, max_positions=self.max_model_len)
+        self.model = Model(config, dtype, device, max_positions=self.max_model_len, features=features)
         self.model.load_weights(path)
         self.model.eval()
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   max_num_batched_tokens or max(self.max_model_len, 2048))
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, enforce_eager)
+                                   max_num_batched_tokens or max(self.max_model_len, 2048), features.continuous_batching)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, features)
         self.sampler = Sampler(device)
         self.steps: list[StepRecord] = []  # the last generate()'s steps
 

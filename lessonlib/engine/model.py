@@ -8,7 +8,8 @@ sequence in a decode step. Per layer::
                     decode   paged_attention
     -> o GEMM -> add_rms_norm -> gate_up GEMM -> swiglu -> down GEMM
 
-GEMMs are cuBLAS (torch); everything between them is one lessonlib kernel. ``lessonlib.decoder.DecoderLayer`` is
+GEMMs are cuBLAS (torch); everything between them is one lessonlib kernel, or, with a :class:`Features` switch
+off, the plain-PyTorch way (lesson 07's tokens/s ladder). ``lessonlib.decoder.DecoderLayer`` is
 lesson 05's single layer, decode only; this one serves both phases and many sequences of different lengths.
 The three parts of a layer are separate methods (:meth:`DecoderLayer.attention`, :meth:`DecoderLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
@@ -24,8 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lessonlib import ops, reference
+from lessonlib import ops, reference, sdpa
 from lessonlib.engine.config import ModelConfig
+from lessonlib.engine.features import Features
 
 
 @dataclass
@@ -49,11 +51,15 @@ class StepContext:
     # paged_attention's split count: its own choice on a GPU; one split in the interpreter, where every program
     # instance costs tens of milliseconds of Python whatever its size (measured: 60 ms each on this course's CPU).
     decode_splits: int | None = None
+    # Decode, eager: the longest sequence (known on the host), so that gather-then-SDPA gathers no page past it.
+    # None (a captured graph): the whole block table.
+    max_seq_len: int | None = None
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, features: Features = Features()):
         super().__init__()
+        self.features = features
         factory = {"dtype": dtype, "device": device}
         h, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = config.num_heads, config.num_kv_heads, d, config.rms_norm_eps
@@ -69,15 +75,23 @@ class DecoderLayer(nn.Module):
         """x: (T, hidden) normed; cos, sin: (T, head_dim). Writes the new K/V into the pool; returns (T, hidden)."""
         tokens, d = x.shape[0], self.head_dim
         qkv = self.qkv_proj(x)
-        # One launch: q rotated (returned), k rotated and v written into the pool at the tokens' slots.
-        q = ops.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, num_heads=self.heads,
-                              num_kv_heads=self.kv_heads, validate=False)  # slots come from the block manager
-        if not ctx.is_prefill:
+        fast = self.features
+        heads = {"num_heads": self.heads, "num_kv_heads": self.kv_heads}
+        if fast.fused_ops:  # one launch: q rotated (returned), k rotated and v written into the pool at the slots
+            q = ops.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, **heads,
+                                  validate=False)  # slots come from the block manager
+        else:
+            q = reference.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, **heads)
+        if not ctx.is_prefill and fast.paged_decode:
             out = ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, num_splits=ctx.decode_splits,
                                       validate=False)
-        elif ctx.flash_groups is None:
+        elif not ctx.is_prefill:
+            out = gather_then_sdpa(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.max_seq_len)
+        elif ctx.flash_groups is None and fast.flash_prefill:
             out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts,
                                               ctx.max_query_len, validate=False)
+        elif ctx.flash_groups is None:  # a cached prefix, the plain way: gather its pages, then masked attention
+            out = reference.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts)
         else:  # flash_attention reads the new tokens' k (rotated: from the pool) and v (qkv's own columns)
             k = k_cache.view(-1, self.kv_heads, d)[ctx.slots]
             v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)
@@ -94,32 +108,57 @@ class DecoderLayer(nn.Module):
             out[rows] = self._flash(q[rows], k[rows], v[rows], count, length)
         return out
 
-    @staticmethod
-    def _flash(q, k, v, count, length):
+    def _flash(self, q, k, v, count, length):
         def batched(t):  # (count * length, heads, D) -> (count, heads, length, D), a view
             return t.view(count, length, t.shape[1], t.shape[2]).transpose(1, 2)
 
-        out = ops.flash_attention(batched(q), batched(k), batched(v), causal=True)
+        attend = ops.flash_attention if self.features.flash_prefill else sdpa.scaled_dot_product_attention
+        out = attend(batched(q), batched(k), batched(v), causal=True)
         return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # two strided (T, I) views: swiglu reads them in place
-        return self.down_proj(ops.swiglu(gate, up))
+        return self.down_proj((ops.swiglu if self.features.fused_ops else reference.swiglu)(gate, up))
 
     def forward(self, hidden, residual, cos, sin, ctx, k_cache, v_cache):
-        normed, residual = ops.add_rms_norm(hidden, residual, self.input_norm, self.eps)
+        norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm
+        normed, residual = norm(hidden, residual, self.input_norm, self.eps)
         hidden = self.attention(normed, cos, sin, ctx, k_cache, v_cache)
-        normed, residual = ops.add_rms_norm(hidden, residual, self.post_attention_norm, self.eps)
+        normed, residual = norm(hidden, residual, self.post_attention_norm, self.eps)
         return self.mlp(normed), residual
 
 
+def gather_then_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     seq_lens: torch.Tensor, max_seq_len: int | None = None) -> torch.Tensor:
+    """Decode attention without a paged kernel (lesson 03's "gather pages, then SDPA"): each sequence's pages copied
+    into contiguous K/V, then PyTorch's SDPA with the keys past each sequence's length masked out.
+
+    q: (B, H, D); k_cache, v_cache: (num_blocks, block_size, Hkv, D); block_table: (B, max_blocks) int32; seq_lens:
+    (B,) int32; max_seq_len: gather only the pages up to it (None: the whole table, as a captured graph must).
+    Returns (B, H, D). No host sync: it can be captured in a CUDA graph.
+    """
+    batch, block_size = q.shape[0], k_cache.shape[1]
+    if max_seq_len is not None:
+        block_table = block_table[:, : -(-max_seq_len // block_size)]
+    keys = block_table.shape[1] * block_size
+
+    def gather(cache):  # (B, Hkv, keys, D): the copy a paged kernel never makes
+        return cache[block_table.long()].reshape(batch, keys, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+    visible = torch.arange(keys, device=q.device)[None, :] < seq_lens[:, None]  # (B, keys)
+    out = F.scaled_dot_product_attention(q[:, :, None], gather(k_cache), gather(v_cache),
+                                         attn_mask=visible[:, None, None], enable_gqa=q.shape[1] != k_cache.shape[2])
+    return out[:, :, 0]
+
+
 class Model(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
+                 features: Features = Features()):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
-        self.config = config
+        self.config, self.features = config, features
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, features) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size, **factory))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         # RoPE angles for every position the engine serves, computed once (float64, rounded to the model's dtype).
@@ -137,7 +176,8 @@ class Model(nn.Module):
         cos, sin = self.cos[positions], self.sin[positions]
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, cos, sin, ctx, k_caches[i], v_caches[i])
-        normed, _ = ops.add_rms_norm(hidden, residual, self.norm, self.config.rms_norm_eps)
+        norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm
+        normed, _ = norm(hidden, residual, self.norm, self.config.rms_norm_eps)
         return normed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ import torch
 from dataclasses import dataclass
 
 from lessonlib import ops, runtime
+from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model, StepContext
 from lessonlib.engine.sequence import Sequence
 
@@ -26,11 +27,11 @@ class StepOutput:
     greedy: torch.Tensor
 
 
-def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax. On a GPU ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
+def greedy(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """Each row's argmax. On a GPU (with ``fused``, the engine's fused_ops feature) ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
     with one thread block: 40 us for Llama 3's 128,256 logits on the H200); in the interpreter PyTorch's, the same
     indices (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each."""
-    return ops.argmax(logits) if runtime.on_gpu() else logits.argmax(dim=-1)
+    return ops.argmax(logits) if fused and runtime.on_gpu() else logits.argmax(dim=-1)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -104,9 +105,9 @@ class DecodeInputs:
 
 class ModelRunner:
     def __init__(self, model: Model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
-                 enforce_eager: bool):
+                 features: Features = Features()):
         config = model.config
-        self.model, self.block_size = model, block_size
+        self.model, self.block_size, self.fused = model, block_size, features.fused_ops
         device, dtype = model.norm.device, model.norm.dtype
         self.device = device
         self.pad_block = num_blocks
@@ -116,7 +117,7 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)  # block-table width of every decode step
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
-        if not enforce_eager and runtime.on_gpu():
+        if features.cuda_graphs and runtime.on_gpu():
             self._capture(max_num_seqs)
 
     # --- prefill -----------------------------------------------------------------------------------------------
@@ -143,7 +144,7 @@ class ModelRunner:
                             self.k_caches, self.v_caches)
         last = self._tensor([end - 1 for end in starts[1:]], torch.int64)
         logits = self.model.logits(hidden[last])
-        return StepOutput(logits, greedy(logits))
+        return StepOutput(logits, greedy(logits, self.fused))
 
     def _flash_groups(self, lens: list[int], starts: list[int]) -> list:
         """Prompts of equal length batched into one flash_attention call each."""
@@ -167,10 +168,11 @@ class ModelRunner:
         inputs = self.inputs.fill(seqs, rows=bucket or batch)
         if bucket is None:
             ctx = StepContext(False, inputs["slots"], inputs["block_table"], inputs["seq_lens"],
-                              decode_splits=None if runtime.on_gpu() else 1)
+                              decode_splits=None if runtime.on_gpu() else 1,
+                              max_seq_len=max(len(seq.token_ids) for seq in seqs))
             logits = self.model.logits(self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches,
                                                   self.v_caches))
-            return StepOutput(logits, greedy(logits))
+            return StepOutput(logits, greedy(logits, self.fused))
         graph, out = self.graphs[bucket]
         graph.replay()
         return StepOutput(out.logits[:batch], out.greedy[:batch])
@@ -188,7 +190,7 @@ class ModelRunner:
                 def step():
                     hidden = self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches, self.v_caches)
                     logits = self.model.logits(hidden)
-                    return StepOutput(logits, greedy(logits))
+                    return StepOutput(logits, greedy(logits, self.fused))
 
                 step()  # compiles the kernels for this shape outside the capture
                 torch.cuda.synchronize()

@@ -11,6 +11,10 @@ blocks the prefix cache already holds). First come, first served: a request that
 When a decode step needs a block and none is free, the most recently admitted sequence is *preempted*: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (prompt and generated tokens as one new
 prompt) when blocks free up. Nothing is ever half-allocated and no block is ever written by two sequences.
+
+``continuous=False`` is *static batching*, the ladder's rung below continuous batching: waiting requests are admitted
+only when no sequence is running, so a batch runs until its longest request ends and the seats of the finished ones
+stay empty meanwhile.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ def can_admit(prompt_blocks: int, cached_idle_blocks: int, cached_busy_blocks: i
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 continuous: bool = True):
         self.blocks = block_manager
+        self.continuous = continuous  # False: static batching, admission only when no sequence runs
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -58,7 +64,8 @@ class Scheduler:
         """The next step's sequences and whether it is a prefill step. Blocks are allocated here, before the
         step runs, so the step itself cannot run out."""
         admitted, batched = [], 0
-        while self.waiting and self.can_admit(self.waiting[0], len(self.running), batched):
+        may_admit = self.continuous or not self.running  # static batching: a new batch once the last one is done
+        while self.waiting and may_admit and self.can_admit(self.waiting[0], len(self.running), batched):
             seq = self.waiting.popleft()
             self.blocks.allocate(seq)
             batched += len(seq) - seq.num_cached_tokens

@@ -1,0 +1,49 @@
+"""The engine's speed-ups, one switch each (lesson 07's tokens/s ladder). Everything on is the engine's default;
+a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens.
+
+    fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
+                         in lessonlib.reference (RoPE and the K/V write by tensor indexing, silu(gate) * up)
+    flash_prefill        prefill attention by lessonlib's flash_attention (paged_prefill_attention after a cached
+                         prefix); off: PyTorch's SDPA, causal, on the new tokens' own K/V (after a cached prefix:
+                         reference.paged_prefill_attention, its pages gathered, then attention with the end-aligned
+                         causal mask)
+    paged_decode         decode attention by lessonlib's paged_attention; off: each sequence's pages gathered into
+                         contiguous K/V, then SDPA with the padding masked (lesson 03's "gather pages, then SDPA")
+    cuda_graphs          decode steps replayed from CUDA graphs (a GPU only); off: eager decode
+    continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
+                         the next is admitted
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+from lessonlib.results import Impl
+
+
+@dataclass(frozen=True)
+class Features:
+    fused_ops: bool = True
+    flash_prefill: bool = True
+    paged_decode: bool = True
+    cuda_graphs: bool = True
+    continuous_batching: bool = True
+
+    def __post_init__(self):
+        for f in fields(self):
+            if not isinstance(getattr(self, f.name), bool):
+                raise TypeError(f"Features.{f.name} must be a bool, got {getattr(self, f.name)!r}")
+
+
+PLAIN_PYTORCH = Features(False, False, False, False, False)
+
+
+def ladder() -> list[tuple[str, Features]]:
+    """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
+    rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
+    for name, label in (("fused_ops", Impl.RUNG_FUSED_OPS), ("flash_prefill", Impl.RUNG_FLASH_PREFILL),
+                        ("paged_decode", Impl.RUNG_PAGED_DECODE), ("cuda_graphs", Impl.RUNG_CUDA_GRAPHS),
+                        ("continuous_batching", Impl.RUNG_CONTINUOUS_BATCHING)):
+        features = replace(features, **{name: True})
+        rungs.append((label, features))
+    return rungs
