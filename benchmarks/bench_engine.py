@@ -14,7 +14,12 @@ truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (le
 tokens against transformers bf16 up to the first near-tie. Then tokens/s, and one decode step's time split into
 its parts (attention, MLP, norms, output head, sampling, each replayed from a CUDA graph; host = the engine's step
 time minus the graph's GPU time) against the step's bytes-read limit (weights + K/V at the copy bandwidth).
-``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown).
+Then the tokens/s ladder (lesson 07): the engine with each course step switched on in turn (plain PyTorch, + fused
+ops, + FlashAttention prefill, + paged decode, + CUDA graphs, + continuous batching; lessonlib.engine.features), on a
+workload where batching policy matters: 64 requests for 32 seats, 128-token prompts, each request's max_tokens drawn
+from 16..256 (seeded), no early stop. Every rung serves the same requests; tokens/s = output tokens / wall time.
+``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown; a
+ladder of 3 requests for 2 seats).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import torch  # noqa: E402
 
 from lessonlib import bench, ops, runtime  # noqa: E402
 from lessonlib.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+from lessonlib.engine.ladder import run_ladder  # noqa: E402
 from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
 from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
@@ -233,6 +239,10 @@ def benchmark(run, out, folder, started):
         ceilings = measure_ceilings()
         middle = prompt_len + new_tokens // 2  # the context in the middle of a run
         step_parts(run, engines, config, weight_bytes, ceilings.bandwidth_gbs * 1e9, batches, middle)
+    del engines, low_model  # the ladder builds its own engines, one at a time
+    if runtime.on_gpu():
+        torch.cuda.empty_cache()
+    tokens_per_s_ladder(run, path, config, prompt_len, generator)
     run.notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
     run.notes["seconds"] = round(time.perf_counter() - started, 1)
     run.save(out, ceilings)
@@ -312,6 +322,31 @@ def step_parts(run, engines, config, weight_bytes, bandwidth, batches, context):
                     "whole step and of sampling: scheduling, input preparation, launches, the sync for the tokens")
         run.add(Op.DECODE_STEP_LIMIT, Impl.WEIGHT_READ_LIMIT, shape, us=round(step_bytes / bandwidth * 1e6, 2),
                 bytes=step_bytes, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+
+
+def tokens_per_s_ladder(run, path, config, prompt_len, generator):
+    """Each rung of the ladder on the same requests, after an untimed warm-up at the same prompt length and batch
+    (Triton compiles at first call; CUDA graphs are captured when the engine is built, untimed)."""
+    requests, seats, (low, high) = (3, 2, (1, 2)) if run.smoke else (64, 32, (16, 256))
+    max_tokens = torch.randint(low, high + 1, (requests,), generator=generator).tolist()
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    prompts = random_prompts(requests, prompt_len, config.vocab_size, generator)
+    warm_up = None
+    if runtime.on_gpu():
+        warm_up = (random_prompts(seats, prompt_len, config.vocab_size, generator),
+                   SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    shape = {"requests": requests, "max_num_seqs": seats, "prompt": prompt_len, "max_tokens_low": low,
+             "max_tokens_high": high}
+    runs = run_ladder(path, prompts, params, warm_up=warm_up, dtype=run.dtype, max_num_seqs=seats,
+                      max_model_len=prompt_len + high + 16)
+    top = runs[-1].tokens
+    for rung in runs:
+        run.add(Op.LADDER, rung.label, shape, tokens_per_s=round(rung.tokens_per_s, 1), seconds=round(rung.seconds, 3),
+                output_tokens=rung.output_tokens, prefill_steps=rung.prefill_steps, decode_steps=rung.decode_steps,
+                # greedy tokens identical to the top rung's (in 16 bits a near-tie may break the other way)
+                same_tokens_as_top_rung=sum(a == b for a, b in zip(rung.tokens, top)))
+    run.notes["ladder"] = {"max_tokens_per_request": max_tokens, "seed": "the run's generator (torch, seed 0)",
+                           "rungs": {r.label: vars(r.features) for r in runs}}
 
 
 if __name__ == "__main__":

@@ -188,6 +188,13 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     assert recorded.select(op="generate", impl="lessonlib engine, eager")
     check = recorded.notes["checks"]["lessonlib engine, eager"]
     assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
+    ladder = recorded.select(op="tokens_per_s_ladder")
+    assert [r["impl"] for r in ladder] == ["plain PyTorch", "+ fused ops", "+ FlashAttention prefill", "+ paged decode",
+                                           "+ continuous batching"]  # no "+ CUDA graphs" without a GPU
+    assert all(r["same_tokens_as_top_rung"] == r["shape"]["requests"] and r["tokens_per_s"] > 0 for r in ladder)
+    from lessonlib.engine.lesson import plot_ladder
+
+    assert len(plot_ladder(recorded).patches) == len(ladder)
 
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")

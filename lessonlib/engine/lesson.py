@@ -139,3 +139,43 @@ def plot_recorded(results, axes=None):
     parts.legend(fontsize=7, ncol=2, loc="upper left")
     finish(ladder.figure, results.provenance())
     return axes
+
+
+def ladder_records(results) -> list[dict]:
+    """The recorded tokens/s ladder, in rung order; [] when the file predates it."""
+    return results.select(op=Op.LADDER) if results is not None else []
+
+
+def plot_ladder(results, ax=None):
+    """The recorded tokens/s ladder: one bar per rung, each labelled with its tokens/s and its gain over the rung
+    below (log scale: the rungs span orders of magnitude)."""
+    rows = ladder_records(results)
+    if not rows:
+        raise ValueError("this results file has no tokens/s ladder: run python benchmarks/bench_engine.py --out ...")
+    fig, ax = figure(ax, (10, 4))
+    values = [r["tokens_per_s"] for r in rows]
+    ax.bar(range(len(rows)), values, color="tab:blue")
+    for i, value in enumerate(values):
+        gain = "" if i == 0 else f"\n×{value / values[i - 1]:.2f}"
+        ax.text(i, value, f"{value:,.0f}{gain}", ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [r["impl"] for r in rows], rotation=15, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(values) * 4)  # room for the labels
+    ax.set_ylabel("output tokens/s (log scale)")
+    s = rows[0]["shape"]
+    ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats, {s['prompt']}-token prompts, "
+                 f"{s['max_tokens_low']}-{s['max_tokens_high']} new tokens each", fontsize=10)
+    finish(fig, results.provenance())
+    return ax
+
+
+def show_live_ladder(runs, expected: list[list[int]]) -> None:
+    """A live ladder's table (``lessonlib.engine.ladder.run_ladder``); raises if a rung's tokens differ from
+    ``expected`` (transformers' greedy tokens, one list per request, of its length) or if it left blocks in use."""
+    print(f"{'rung':28s} {'tokens':>6s} {'seconds':>8s} {'decode steps':>12s}  same tokens as transformers")
+    for run in runs:
+        same = len(run.tokens) == len(expected) and all(got == want for got, want in zip(run.tokens, expected))
+        print(f"{run.label:28s} {run.output_tokens:6d} {run.seconds:8.2f} {run.decode_steps:12d}  {'yes' if same else 'NO'}")
+        if not same or run.blocks_in_use:
+            raise AssertionError(f"rung {run.label!r}: tokens {run.tokens} against {expected}, "
+                                 f"{run.blocks_in_use} blocks left in use")
