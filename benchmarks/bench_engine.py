@@ -337,7 +337,7 @@ def tokens_per_s_ladder(run, path, config, prompt_len, generator):
                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     shape = {"requests": requests, "max_num_seqs": seats, "prompt": prompt_len, "max_tokens_low": low,
              "max_tokens_high": high}
-    runs = run_ladder(path, prompts, params, warm_up=warm_up, dtype=run.dtype, max_num_seqs=seats,
+    runs = run_ladder(path, prompts, params, warm_up=warm_up, progress=True, dtype=run.dtype, max_num_seqs=seats,
                       max_model_len=prompt_len + high + 16)
     top = runs[-1].tokens
     for rung in runs:

@@ -68,15 +68,17 @@ def run_rung(llm: LLM, prompts, params: list[SamplingParams], label: str, warm_u
                    sum(s.cached_tokens for s in llm.steps), llm.num_blocks_in_use())
 
 
-def run_ladder(path, prompts, params: list[SamplingParams], rungs=None, warm_up=None, **engine) -> list[RungRun]:
+def run_ladder(path, prompts, params: list[SamplingParams], rungs=None, warm_up=None, progress: bool = False,
+               **engine) -> list[RungRun]:
     """Every rung (default :func:`rungs_here`) on a fresh engine (``engine``: LLM's keyword arguments), one after
-    the other; each engine is freed before the next is built."""
+    the other; each engine is freed before the next is built. ``progress``: a line per rung as it ends."""
     runs = []
     for label, features in rungs or rungs_here():
         llm = LLM(path, features=features, **engine)
         runs.append(run_rung(llm, prompts, params, label, warm_up))
-        print(f"{label:28s} {runs[-1].output_tokens} tokens in {runs[-1].seconds:.2f} s, "
-              f"{runs[-1].decode_steps} decode steps", flush=True)
+        if progress:
+            print(f"{label:28s} {runs[-1].output_tokens} tokens in {runs[-1].seconds:.2f} s, "
+                  f"{runs[-1].decode_steps} decode steps", flush=True)
         del llm
         if runtime.on_gpu():
             torch.cuda.empty_cache()
