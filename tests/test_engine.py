@@ -280,3 +280,20 @@ def test_features_are_checked_and_enforce_eager_turns_graphs_off(path):
     eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=64, enforce_eager=True,
                 features=Features(fused_ops=False))
     assert eager.features == Features(fused_ops=False, cuda_graphs=False) and not eager.cuda_graphs
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
+def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
+    from lessonlib.engine import Features, ladder
+    from lessonlib.engine.ladder import run_ladder
+
+    # The GPU rungs, "+ CUDA graphs" included, and gather-then-SDPA decode replayed from graphs (not a rung: it
+    # checks that path captures, with the whole block table and padding rows). The tiny model's wide logit gaps keep
+    # 16-bit greedy tokens identical across the kernels (section 2 of lesson 07 checks them against transformers).
+    prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5)]
+    rungs = [*ladder(), ("gather then SDPA, CUDA graphs", Features(paged_decode=False))]
+    runs = run_ladder(str(path), prompts, params, rungs=rungs, dtype=DTYPE, max_num_seqs=4, max_model_len=256)
+    top = runs[-2].tokens  # everything on
+    for run in runs:
+        assert run.tokens == top and run.blocks_in_use == 0, run.label

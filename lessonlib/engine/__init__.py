@@ -26,5 +26,5 @@ from lessonlib.engine.sampler import top_p_filter
 from lessonlib.engine.scheduler import can_admit
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "Features", "ladder", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig", "StepRecord",
-           "top_p_filter", "can_admit"]
+__all__ = ["LLM", "Features", "ladder", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
+           "StepRecord", "top_p_filter", "can_admit"]

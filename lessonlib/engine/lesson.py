@@ -175,7 +175,8 @@ def show_live_ladder(runs, expected: list[list[int]]) -> None:
     print(f"{'rung':28s} {'tokens':>6s} {'seconds':>8s} {'decode steps':>12s}  same tokens as transformers")
     for run in runs:
         same = len(run.tokens) == len(expected) and all(got == want for got, want in zip(run.tokens, expected))
-        print(f"{run.label:28s} {run.output_tokens:6d} {run.seconds:8.2f} {run.decode_steps:12d}  {'yes' if same else 'NO'}")
+        print(f"{run.label:28s} {run.output_tokens:6d} {run.seconds:8.2f} {run.decode_steps:12d}  "
+              f"{'yes' if same else 'NO'}")
         if not same or run.blocks_in_use:
             raise AssertionError(f"rung {run.label!r}: tokens {run.tokens} against {expected}, "
                                  f"{run.blocks_in_use} blocks left in use")

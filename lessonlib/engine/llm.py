@@ -85,7 +85,8 @@ class LLM:
         self.model.eval()
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   max_num_batched_tokens or max(self.max_model_len, 2048), features.continuous_batching)
+                                   max_num_batched_tokens or max(self.max_model_len, 2048),
+                                   continuous=features.continuous_batching)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, features)
         self.sampler = Sampler(device)
         self.steps: list[StepRecord] = []  # the last generate()'s steps

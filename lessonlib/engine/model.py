@@ -57,7 +57,8 @@ class StepContext:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, features: Features = Features()):
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
+                 features: Features = Features()):
         super().__init__()
         self.features = features
         factory = {"dtype": dtype, "device": device}
@@ -91,7 +92,8 @@ class DecoderLayer(nn.Module):
             out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts,
                                               ctx.max_query_len, validate=False)
         elif ctx.flash_groups is None:  # a cached prefix, the plain way: gather its pages, then masked attention
-            out = reference.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts)
+            out = reference.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens,
+                                                    ctx.query_starts)
         else:  # flash_attention reads the new tokens' k (rotated: from the pool) and v (qkv's own columns)
             k = k_cache.view(-1, self.kv_heads, d)[ctx.slots]
             v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)

@@ -28,9 +28,10 @@ class StepOutput:
 
 
 def greedy(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """Each row's argmax. On a GPU (with ``fused``, the engine's fused_ops feature) ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
+    """Each row's argmax. On a GPU ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
     with one thread block: 40 us for Llama 3's 128,256 logits on the H200); in the interpreter PyTorch's, the same
-    indices (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each."""
+    indices (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each. ``fused`` False (the
+    engine's fused_ops feature off): PyTorch's everywhere."""
     return ops.argmax(logits) if fused and runtime.on_gpu() else logits.argmax(dim=-1)
 
 
