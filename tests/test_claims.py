@@ -107,18 +107,12 @@ def test_the_live_checks_decide_their_claims():
     assert live.paging_waste().verdict == "holds"
 
 
-def test_the_rope_kv_write_verdict_waits_for_its_labels_and_then_follows_the_records(monkeypatch):
-    from lessonlib.results import Impl as impls, Op as ops_
-
-    if getattr(ops_, "ROPE_STORE_KV", None) is None:
-        assert recorded.rope_kv_write().verdict.startswith("not measured here")
-    monkeypatch.setattr(ops_, "ROPE_STORE_KV", "rope_store_kv", raising=False)
-    monkeypatch.setattr(impls, "APPLY_ROPE_THEN_STORE_KV", "apply_rope + store_kv (q, k contiguous)", raising=False)
+def test_the_rope_kv_write_verdict_follows_the_records(monkeypatch):
     separate = random.uniform(10, 20)
-    records = [{"op": ops_.ROPE_STORE_KV, "impl": impl, "shape": {"T": t, "H": 32, "Hkv": 8, "D": 128},
+    records = [{"op": Op.ROPE_STORE_KV, "impl": impl, "shape": {"T": t, "H": 32, "Hkv": 8, "D": 128},
                 "dtype": "bfloat16", "us": us}
                for t, fused in ((1, separate * 0.5), (4096, separate * 1.1))
-               for impl, us in ((Impl.LESSONLIB, fused), (impls.APPLY_ROPE_THEN_STORE_KV, separate))]
+               for impl, us in ((Impl.LESSONLIB, fused), (Impl.APPLY_ROPE_THEN_STORE_KV, separate))]
     monkeypatch.setattr(recorded, "committed_run",
                         lambda benchmark: Results(benchmark, "synthetic", {}, {}, records, {}))
     verdict = recorded.rope_kv_write()

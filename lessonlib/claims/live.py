@@ -109,6 +109,7 @@ def paging_quadratic() -> Verdict:
                        "is the score matrix, which FlashAttention (not paging) avoids")
     return Verdict(measured, "holds")
 
+
 def dropout_on_cpu() -> str:
     """Which SDPA backend PyTorch picks on the CPU with and without dropout (its private chooser, where present)."""
     from torch.nn.attention import SDPBackend
@@ -119,5 +120,3 @@ def dropout_on_cpu() -> str:
     except (AttributeError, RuntimeError, ValueError):
         return ""
     return f"on this CPU PyTorch picks {picks[0]} without dropout, {picks[1]} with dropout_p=0.1"
-
-

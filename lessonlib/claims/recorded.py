@@ -25,22 +25,22 @@ def _decode_step_cuts() -> dict[str, tuple[float, float]] | None:
     return cuts
 
 
-def fusion_cut() -> Verdict:
+def _cut_verdict(which: int, what: str, low: float, high: float, claimed: str) -> Verdict:
+    """The verdict on one of the two cuts (0: fusion's, 1: the graph's) against a claimed range [low, high]."""
     cuts = _decode_step_cuts()
     if cuts is None:
         return not_recorded(Benchmark.CUDA_GRAPHS, "decode_step records")
-    points = {p: fusion for p, (fusion, _) in cuts.items()}
-    measured = "fusion cut the plain decode step by " + ", ".join(f"{pct(x)} ({p})" for p, x in points.items())
-    return Verdict(measured, in_range(points, 0.0, 0.70) + " (claimed: at most 70%)")
+    points = {p: cut[which] for p, cut in cuts.items()}
+    measured = what + " " + ", ".join(f"{pct(x)} ({p})" for p, x in points.items())
+    return Verdict(measured, in_range(points, low, high) + f" (claimed: {claimed})")
+
+
+def fusion_cut() -> Verdict:
+    return _cut_verdict(0, "fusion cut the plain decode step by", 0.0, 0.70, "at most 70%")
 
 
 def graph_cut() -> Verdict:
-    cuts = _decode_step_cuts()
-    if cuts is None:
-        return not_recorded(Benchmark.CUDA_GRAPHS, "decode_step records")
-    points = {p: graph for p, (_, graph) in cuts.items()}
-    measured = "the graph cut the fused step by another " + ", ".join(f"{pct(x)} ({p})" for p, x in points.items())
-    return Verdict(measured, in_range(points, 0.10, 0.15) + " (claimed: 10-15%)")
+    return _cut_verdict(1, "the graph cut the fused step by another", 0.10, 0.15, "10-15%")
 
 
 def flex_paged() -> Verdict:
@@ -152,12 +152,9 @@ def dropout() -> Verdict:
 
 
 def rope_kv_write() -> Verdict:
-    """ops.rope_store_kv against apply_rope then store_kv, per call. Its labels arrive with the op (the ropekv
-    branch): until they and a recorded run are here, the verdict says so."""
-    op, separate = getattr(Op, "ROPE_STORE_KV", None), getattr(Impl, "APPLY_ROPE_THEN_STORE_KV", None)
-    if op is None or separate is None:
-        return Verdict("-", "not measured here (lesson 03's exercise checks a fused kernel's output on CPU; "
-                       "lessonlib has no rope_store_kv op to time yet)")
+    """ops.rope_store_kv against apply_rope then store_kv, per call; until a recorded run holds them, the verdict
+    says so."""
+    op, separate = Op.ROPE_STORE_KV, Impl.APPLY_ROPE_THEN_STORE_KV
     run = committed_run(Benchmark.PAGED_ATTENTION)
     fused = [] if run is None else [r for r in run.select(op=op, impl=Impl.LESSONLIB) if r["us"] is not None]
     if not fused:

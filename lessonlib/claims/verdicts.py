@@ -38,4 +38,3 @@ def in_range(points: dict[str, float], low: float, high: float) -> str:
     if not inside:
         return "does not hold at any measured point"
     return f"holds at {', '.join(inside)}; not at {', '.join(outside)}"
-

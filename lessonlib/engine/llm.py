@@ -76,7 +76,7 @@ class LLM:
         runtime.check_fits(num_blocks * block_bytes, f"a KV cache of {num_blocks} blocks")
         # The longest sequence: what the positions allow and what the whole pool holds.
         self.max_model_len = min(max_model_len, num_blocks * block_size)
-        self.block_size, self.max_num_seqs, self.enforce_eager = block_size, max_num_seqs, enforce_eager
+        self.block_size, self.max_num_seqs = block_size, max_num_seqs
         self.features = features
 
         self.tokenizer = _load_tokenizer(path)

@@ -8,9 +8,9 @@ and whose attention reads one token of it; no sequence's block is ever written b
 
 from __future__ import annotations
 
-import torch
-
 from dataclasses import dataclass
+
+import torch
 
 from lessonlib import ops, runtime
 from lessonlib.engine.features import Features
@@ -124,7 +124,8 @@ class ModelRunner:
     # --- prefill -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> StepOutput:
-        """Compute every sequence's uncached tokens; return the logits of each one's last token, (B, vocab)."""
+        """Compute every sequence's uncached tokens; return the logits of each one's last token, (B, vocab), and
+        its greedy token."""
         bs = self.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
         for seq in seqs:
@@ -163,7 +164,7 @@ class ModelRunner:
     # --- decode ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> StepOutput:
-        """One new token per sequence: feed each one's last token; return (B, vocab) logits."""
+        """One new token per sequence: feed each one's last token; return (B, vocab) logits and greedy tokens."""
         batch = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= batch), None)
         inputs = self.inputs.fill(seqs, rows=bucket or batch)

@@ -68,10 +68,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
 
-    @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
 
 @dataclass
 class CompletionOutput:
