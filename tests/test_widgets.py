@@ -28,6 +28,61 @@ def test_drive_refuses_unknown_controls():
         widgets.drive(view, blocksize=16)
 
 
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bars(height=1, fail_at=None):
+    """A view function of the kind lessons write: prints, draws (ending in the habitual plt.show()), returns."""
+    if height == fail_at:
+        raise ValueError(f"no bar of height {height}")
+    print(f"one bar of height {height}")
+    plt.bar(["a"], [height])
+    plt.show()
+    return {"height": height}
+
+
+def _bars_view(fail_at=None):
+    import ipywidgets as w
+
+    from lessonlib.widgets.view import FigureView
+
+    return FigureView(_bars, {"height": w.IntSlider(value=1, min=1, max=9)}, {"fail_at": fail_at})
+
+
+def test_a_view_holds_its_text_and_figure_as_widget_state_and_redraws_when_a_control_moves():
+    """The text and the PNG are the view's own widgets (not cell output a front end may misroute), and a
+    plt.show() inside the function draws into the view."""
+    figures_before = plt.get_fignums()
+    view = _bars_view()
+    first = view.figure.value
+    assert "one bar of height 1" in view.text.value and bytes(first).startswith(PNG) and view.result == {"height": 1}
+    view.controls["height"].value = 7
+    assert "one bar of height 7" in view.text.value and view.result == {"height": 7}
+    assert bytes(view.figure.value).startswith(PNG) and bytes(view.figure.value) != bytes(first)
+    assert plt.get_fignums() == figures_before  # each drawn figure was closed once it became a PNG
+
+
+def test_drive_draws_nothing_and_leaves_the_same_picture():
+    view = _bars_view()
+    shown_text, shown_png = view.text.value, bytes(view.figure.value)
+    assert widgets.drive(view, height=5) == {"height": 5}
+    assert (view.text.value, bytes(view.figure.value)) == (shown_text, shown_png)
+
+
+def test_a_redraw_that_fails_shows_its_traceback_in_the_view_and_the_next_one_recovers():
+    view = _bars_view(fail_at=3)
+    view.controls["height"].value = 3
+    assert "Traceback" in view.text.value and "no bar of height 3" in view.text.value
+    assert view.result is None and view.figure.layout.display == "none"
+    view.controls["height"].value = 4
+    assert "Traceback" not in view.text.value and view.result == {"height": 4} and view.figure.layout.display is None
+
+
+def test_a_view_whose_first_draw_fails_raises_in_its_cell():
+    with pytest.raises(ValueError, match="no bar of height 1"):
+        _bars_view(fail_at=1)
+
+
 def test_recorded_vs_live_shows_the_recorded_run_and_measures_only_on_a_gpu(capsys):
     from lessonlib import measured, results
 

@@ -1,13 +1,9 @@
-"""Interactive views for the notebooks (ipywidgets). Each view is a plain function that computes and draws, wrapped
-by ``ipywidgets.interactive``; the function's return value (``w.result``) is what tests and nbval check, since a
-headless kernel has no front end to look at."""
+"""Interactive views for the notebooks (ipywidgets). Each view is a plain function that prints, draws and returns what
+it showed, wrapped by :class:`lessonlib.widgets.view.FigureView`; the function's return value (``view.result``) is
+what tests and nbval check, since a headless kernel has no front end to look at."""
 
 from __future__ import annotations
 
-import contextlib
-import io
-
-import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
@@ -38,7 +34,6 @@ def show_traffic(op="add_rms_norm", tokens=8192, hidden=4096, intermediate=14336
     print(f"{op}: eager {model.eager.launches} launches, {model.eager.bytes / 1e6:,.1f} MB -> fused "
           f"{model.fused.launches} launch, {model.fused.bytes / 1e6:,.1f} MB ({model.byte_ratio:.2f}x fewer bytes)")
     plots.traffic_bars(model)
-    plt.show()
     return {"eager_MB": model.eager.bytes / 1e6, "fused_MB": model.fused.bytes / 1e6, "byte_ratio": model.byte_ratio,
             "eager_launches": model.eager.launches, "fused_launches": model.fused.launches}
 
@@ -57,7 +52,6 @@ def show_roofline(ceilings: Ceilings, op="swiglu", tokens=8192, hidden=4096, int
     print(f"{op} at T={tokens}: fused {result['fused_intensity']:.2f} FLOP/byte, {result['bound']}-bound; "
           f"fastest possible: eager {result['eager_floor_us']:,.1f} µs, fused {result['fused_floor_us']:,.1f} µs")
     plots.roofline(ceilings, [(f"{op} eager", model.eager.intensity, None), (f"{op} fused", model.fused.intensity, None)])
-    plt.show()
     return result
 
 
@@ -73,12 +67,13 @@ def _sliders():
 
 
 def _explorer(fn, op, **fixed):
+    """The op dropdown and size sliders over ``fn`` (show_traffic or show_roofline)."""
     import ipywidgets as w
 
+    from lessonlib.widgets.view import FigureView
+
     controls = {"op": w.Dropdown(options=list(traffic.OPS), value=op, description="op"), **_sliders()}
-    view = w.interactive(fn, **{k: w.fixed(v) for k, v in fixed.items()}, **controls)
-    view.controls = controls  # by argument name, for drive()
-    return view
+    return FigureView(fn, controls, fixed)
 
 
 def traffic_explorer(op="add_rms_norm"):
@@ -93,48 +88,19 @@ def roofline_explorer(ceilings: Ceilings, op="swiglu"):
 
 def drive(view, **values) -> dict:
     """The view's result with its controls at ``values`` (``drive(view, tokens=1)``), computed by moving the controls
-    as a student would, then moving them back. The redraws are swallowed (a headless kernel has nowhere to show
-    them), so the view keeps showing the figure of the values its controls show again: a control and its figure
-    never disagree after "Run all"."""
+    as a student would, then moving them back. Nothing is drawn on the way, so the view keeps showing the figure of
+    the values its controls show again: a control and its figure never disagree after "Run all"."""
     unknown = set(values) - set(view.controls)
     if unknown:
         raise ValueError(f"no control named {sorted(unknown)}; this view has {sorted(view.controls)}")
     before = {name: view.controls[name].value for name in values}
-    with _swallow_display():
+    with view.quietly():
         for name, value in values.items():
             view.controls[name].value = value
-        if view.result is None:
-            # ipywidgets 7 (Colab's) first runs the function when the view is displayed, not when it is built, and a
-            # control set to the value it already has runs nothing: run it once here. (Every view returns a dict.)
-            view.update()
         result = view.result
         for name, value in before.items():
             view.controls[name].value = value
     return result
-
-
-@contextlib.contextmanager
-def _swallow_display():
-    """Drop printed text and displayed figures. (IPython's capture_output breaks ipywidgets' Output widget under
-    ipykernel 7, so only the publishing is replaced.)"""
-    try:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    except ImportError:
-        shell = None
-    publisher = getattr(shell, "display_pub", None)
-    with contextlib.redirect_stdout(io.StringIO()):
-        if publisher is None:
-            yield
-            return
-        publish = publisher.publish
-        publisher.publish = lambda *args, **kwargs: None
-        try:
-            yield
-        finally:
-            publisher.publish = publish
-            plt.close("all")
 
 
 def show_score_memory(tokens=8192, heads=32, dtype="bfloat16") -> dict:
@@ -145,7 +111,6 @@ def show_score_memory(tokens=8192, heads=32, dtype="bfloat16") -> dict:
     print(f"T={tokens:,}, {heads} heads, {dtype}: score matrix {scores / 1e9:,.3f} GB per layer; "
           f"Q, K, V, O {io / 1e9:,.3f} GB ({scores / io:,.0f}x less)")
     plots.score_bytes(tokens, heads, 128, itemsize)
-    plt.show()
     return {"score_bytes": scores, "io_bytes": io}
 
 
@@ -153,14 +118,14 @@ def score_memory_explorer():
     """Slide the sequence length: the score matrix grows with T², FlashAttention's traffic with T."""
     import ipywidgets as w
 
+    from lessonlib.widgets.view import FigureView
+
     controls = {
         "tokens": w.IntSlider(value=8192, min=256, max=131072, step=256, description="tokens T", continuous_update=False),
         "heads": w.IntSlider(value=32, min=1, max=128, step=1, description="heads", continuous_update=False),
         "dtype": w.Dropdown(options=list(DTYPE_BYTES), value="bfloat16", description="dtype"),
     }
-    view = w.interactive(show_score_memory, **controls)
-    view.controls = controls
-    return view
+    return FigureView(show_score_memory, controls)
 
 
 def show_online_softmax(trace, exact, step=0) -> dict:
@@ -172,7 +137,6 @@ def show_online_softmax(trace, exact, step=0) -> dict:
           f"l = {state['l']:.4f}, rescale of the old sum = {state['correction']:.4f}, "
           f"max |output - exact| = {error:.2e}")
     plots.online_softmax(trace, step, np.asarray(exact))
-    plt.show()
     return {"m": state["m"], "l": state["l"], "error": error}
 
 
@@ -181,6 +145,7 @@ def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8,
     import ipywidgets as w
 
     from lessonlib import reference
+    from lessonlib.widgets.view import FigureView
 
     generator = torch.Generator().manual_seed(seed)
     scores = torch.randn(seq_len, generator=generator, dtype=torch.float64) * 2
@@ -188,8 +153,7 @@ def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8,
     exact = (torch.softmax(scores, dim=0) @ values).numpy()
     trace = reference.online_softmax_trace(scores, values, block)
     controls = {"step": w.IntSlider(value=0, min=0, max=len(trace) - 1, description="tile", continuous_update=False)}
-    view = w.interactive(show_online_softmax, trace=w.fixed(trace), exact=w.fixed(exact), **controls)
-    view.controls = controls
+    view = FigureView(show_online_softmax, controls, {"trace": trace, "exact": exact})
     view.trace, view.exact = trace, exact
     return view
 
@@ -204,7 +168,6 @@ def show_kv_reservation(lengths, block_size=16, max_len=4096) -> dict:
           f"holds {result.paged_tokens * per_token / 1e9:,.1f} GB ({result.paged_waste:.1%} unused); contiguous "
           f"reserves {result.contiguous_tokens * per_token / 1e9:,.1f} GB ({result.contiguous_waste:.1%} unused)")
     plots.kv_reservation(lengths.clamp(max=max_len), result, per_token, max_len, block_size)
-    plt.show()
     return {"paged_waste": result.paged_waste, "contiguous_waste": result.contiguous_waste,
             "used_tokens": result.used_tokens}
 
@@ -213,13 +176,13 @@ def kv_reservation_explorer(lengths):
     """Block size and maximum length against the memory the same requests hold."""
     import ipywidgets as w
 
+    from lessonlib.widgets.view import FigureView
+
     controls = {
         "block_size": w.Dropdown(options=[1, 8, 16, 32, 64, 128, 256], value=16, description="block_size"),
         "max_len": w.IntSlider(value=4096, min=1024, max=32768, step=1024, description="max_len", continuous_update=False),
     }
-    view = w.interactive(show_kv_reservation, lengths=w.fixed(lengths), **controls)
-    view.controls = controls
-    return view
+    return FigureView(show_kv_reservation, controls, {"lengths": lengths})
 
 
 def show_recorded_vs_live(recorded, case: str, measure_here: bool = False, live_cache: dict | None = None) -> dict:
@@ -236,7 +199,6 @@ def show_recorded_vs_live(recorded, case: str, measure_here: bool = False, live_
         cache = live_cache if live_cache is not None else {}
         live = cache[case] = cache.get(case) or measured.live_gbps(op, shape)
     plots.bandwidth(recorded, op, shape, live=live)
-    plt.show()
     return {"op": op, "shape": shape, "recorded": measured.recorded_gbps(recorded, op, shape), "live": live}
 
 
@@ -246,10 +208,9 @@ def recorded_vs_live_explorer(recorded, case: str | None = None):
     import ipywidgets as w
 
     from lessonlib import measured
+    from lessonlib.widgets.view import FigureView
 
     options = list(measured.cases(recorded))
     controls = {"case": w.Dropdown(options=options, value=case or options[-1], description="op, shape"),
                 "measure_here": w.Checkbox(value=False, description="measure here")}
-    view = w.interactive(show_recorded_vs_live, recorded=w.fixed(recorded), live_cache=w.fixed({}), **controls)
-    view.controls = controls
-    return view
+    return FigureView(show_recorded_vs_live, controls, {"recorded": recorded, "live_cache": {}})

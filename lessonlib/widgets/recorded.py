@@ -14,7 +14,6 @@ import contextlib
 from dataclasses import dataclass, replace
 from typing import Callable
 
-import matplotlib.pyplot as plt
 import torch
 
 from lessonlib import plots, results, runtime
@@ -159,7 +158,6 @@ def show_recorded_run(lesson: RecordedRun, recorded: results.Results, case: str,
     _print_shown(lesson, recorded, shown)
     plots.recorded_vs_live(shown["recorded"], shown["live"], lesson.fields, f"{op}, {shape_text(shape)}",
                            recorded.environment["gpu"], recorded.provenance())
-    plt.show()
     return shown
 
 
@@ -195,6 +193,8 @@ def recorded_run_explorer(lesson: str, recorded: results.Results | None = None, 
     "cuda_graphs"): a case, the implementations shown, and "measure on this GPU"."""
     import ipywidgets as w
 
+    from lessonlib.widgets.view import FigureView
+
     spec = LESSONS[lesson]
     recorded = recorded if recorded is not None else results.load(spec.name)
     options = list(spec.cases(recorded))
@@ -204,7 +204,4 @@ def recorded_run_explorer(lesson: str, recorded: results.Results | None = None, 
                 "impls": w.SelectMultiple(options=present, value=tuple(present), description="implementations",
                                           rows=len(present)),
                 "measure_here": w.Checkbox(value=False, description="measure on this GPU")}
-    view = w.interactive(show_recorded_run, lesson=w.fixed(spec), recorded=w.fixed(recorded),
-                         live_cache=w.fixed({}), **controls)
-    view.controls = controls
-    return view
+    return FigureView(show_recorded_run, controls, {"lesson": spec, "recorded": recorded, "live_cache": {}})

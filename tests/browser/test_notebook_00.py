@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib.widgets.view import VIEW_CLASS
 from tests.browser.harness import CHROMIUM, JupyterLab
 
 pytest.importorskip("playwright")
@@ -22,8 +23,8 @@ def test_roofline_explorer_follows_its_slider():
         outputs = page.locator(".jp-Notebook").inner_text()
         assert "Traceback" not in outputs, outputs[-3000:]
 
-        view = page.locator(".widget-interact").first
-        summary = view.locator(".jp-OutputArea-output pre").first
+        view = page.locator(f".{VIEW_CLASS}").first
+        summary = view.locator("pre").first
         summary.wait_for(timeout=60_000)
         before_text = summary.inner_text()
         before_plot = view.locator("img").first.get_attribute("src")
@@ -35,9 +36,9 @@ def test_roofline_explorer_follows_its_slider():
         handle.press("ArrowRight")
         # The kernel redraws text and figure in turn; wait for both, read from the page (not from visibility).
         page.wait_for_function(
-            "([oldText, oldPlot]) => { const view = document.querySelector('.widget-interact');"
-            " const pre = view.querySelector('.jp-OutputArea-output pre'); const img = view.querySelector('img');"
+            "([view, oldText, oldPlot]) => { const root = document.querySelector(view);"
+            " const pre = root.querySelector('pre'); const img = root.querySelector('img');"
             " return pre && img && pre.innerText !== oldText && img.getAttribute('src') !== oldPlot; }",
-            arg=[before_text, before_plot], timeout=60_000)
+            arg=[f".{VIEW_CLASS}", before_text, before_plot], timeout=60_000)
         after_text = summary.inner_text()
         assert "gated_mlp at T=8193" in after_text, after_text

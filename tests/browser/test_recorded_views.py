@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from lessonlib.widgets.view import VIEW_CLASS
 from tests.browser.harness import CHROMIUM, JupyterLab, excerpt
 
 pytest.importorskip("playwright")
@@ -42,18 +43,18 @@ def page(tmp_path_factory):
 @pytest.mark.parametrize("notebook", sorted(VIEWS))
 def test_choosing_another_case_redraws_the_view(page, notebook):
     index = len(SET_UP) + sorted(VIEWS).index(notebook)
-    view = page.locator(".jp-CodeCell").nth(index).locator(".widget-interact")
+    view = page.locator(".jp-CodeCell").nth(index).locator(f".{VIEW_CLASS}")
     view.locator("img").first.wait_for(timeout=60_000)
     before = view.locator("img").first.get_attribute("src")
     case = view.locator(".widget-dropdown select").first
     other = (case.evaluate("select => select.selectedIndex") + 1) % case.locator("option").count()
     case.select_option(index=other)
-    # The kernel clears the view's output and draws the new figure: wait for an image whose src differs.
+    # The kernel sends the new figure as the view's image: wait for an image whose src differs.
     try:
         page.wait_for_function(
-            "([index, old]) => { const img = document.querySelectorAll('.jp-CodeCell')[index]"
-            ".querySelector('.widget-interact img'); return img && img.getAttribute('src') !== old; }",
-            arg=[index, before], timeout=60_000)
+            "([index, view, old]) => { const img = document.querySelectorAll('.jp-CodeCell')[index]"
+            ".querySelector(view + ' img'); return img && img.getAttribute('src') !== old; }",
+            arg=[index, f".{VIEW_CLASS}", before], timeout=60_000)
     except Exception:
         pytest.fail(f"{notebook}: the figure was not redrawn; the view shows:\n{view.inner_text()[-2000:]}")
     assert case.evaluate("select => select.selectedIndex") == other  # the control shows the case redrawn
