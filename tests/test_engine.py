@@ -67,6 +67,36 @@ def test_greedy_tokens_match_transformers_batched_with_a_shared_prefix(path, llm
 
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_a_lone_prompt_prefilled_padded_to_its_bucket_gives_transformers_tokens_and_writes_no_other_block(path):
+    """The CUDA-graph prefill's step (PrefillGraphs), run eagerly: a prompt padded to its bucket of rows. The pool
+    starts poisoned with NaN: a padding row's K/V in any block but the padding block would show there, and a prompt
+    token that saw a padding row would change the tokens."""
+    from lessonlib.engine.model_runner import PrefillGraphs
+
+    llm = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, num_blocks=16, max_model_len=256)
+    runner = llm.runner
+    runner.prefill_graphs = PrefillGraphs(runner, 256, capture=False)
+    assert runner.prefill_graphs.buckets == [16, 32, 64, 128, 256]
+    padded = []
+    real_step = runner.prefill_graphs._step
+    runner.prefill_graphs._step = lambda bucket: padded.append(bucket) or real_step(bucket)
+    runner.k_caches.fill_(float("nan"))
+    runner.v_caches.fill_(float("nan"))
+    prompt = PREFIX + " the online softmax"
+    n = len(llm.tokenizer.encode(prompt))
+    assert n % 16 and runner.prefill_graphs.bucket(n) > n  # padding rows present
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    outs = llm.generate([prompt], params)
+    assert padded == [runner.prefill_graphs.bucket(n)]
+    assert_same_tokens(outs, transformers_greedy(path, [prompt], 4), [prompt])
+    written = ~torch.isnan(runner.k_caches).all(dim=(0, 2, 3, 4))  # per block: did any row write it?
+    written_v = ~torch.isnan(runner.v_caches).all(dim=(0, 2, 3, 4))
+    held = llm.block_manager.blocks_for(n + 4 - 1)  # the K/V of the prompt and of the 3 tokens fed back
+    assert torch.equal(written, written_v) and int(written[:-1].sum()) == held and bool(written[-1])
+    assert llm.num_blocks_in_use() == 0
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
 def test_preemption_and_waiting_under_a_tiny_block_budget(path):
     # Four 16-token blocks for four prompts of 14-15 tokens: each is admitted with one block, then needs a second
     # one for its 17th token. Not all fit: the latest admitted are preempted, wait, and are recomputed later.
@@ -206,6 +236,11 @@ def test_cuda_graphs_give_the_eager_tokens(path):
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     for a, b in zip(graphs.generate(prompts, params), eager.generate(prompts, params)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    for prompt in prompts:  # alone, each prompt's prefill is replayed from its bucket's graph, padded
+        a, b = graphs.generate([prompt], params), eager.generate([prompt], params)
+        assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids, prompt
+    assert sorted(graphs.runner.prefill_graphs.graphs) == sorted({graphs.runner.prefill_graphs.bucket(
+        len(graphs.tokenizer.encode(p))) for p in prompts})
     assert graphs.num_blocks_in_use() == 0
 
 

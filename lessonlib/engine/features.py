@@ -9,7 +9,8 @@ a switch turned off runs that part the plain-PyTorch way, so every combination g
                          causal mask)
     paged_decode         decode attention by lessonlib's paged_attention; off: each sequence's pages gathered into
                          contiguous K/V, then SDPA with the padding masked (lesson 03's "gather pages, then SDPA")
-    cuda_graphs          decode steps replayed from CUDA graphs (a GPU only); off: eager decode
+    cuda_graphs          decode steps, and the prefill of a lone prompt, replayed from CUDA graphs (a GPU only); off:
+                         eager
     continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
                          the next is admitted
 """

@@ -1,9 +1,10 @@
 """Runs a step: turns the scheduled sequences into the model's packed inputs, owns the KV pools, and replays decode
-steps from CUDA graphs.
+steps, and the prefill of a lone prompt, from CUDA graphs.
 
 The pools hold one extra block past those the block manager hands out: the *padding block*. A decode step replayed
 from a graph captured for 8 sequences but run for 5 pads the batch with 3 rows whose K/V go to the padding block
-and whose attention reads one token of it; no sequence's block is ever written by a padding row.
+and whose attention reads one token of it; a prompt of 100 tokens prefilled by the graph of 128 gets 28 padding
+rows after its own, whose K/V go to the padding block too. No sequence's block is ever written by a padding row.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     A batch runs in the smallest bucket that holds it; at most 15 padding rows at large batch sizes."""
     sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
     return sorted(set(sizes) | {max_num_seqs})
+
+
+MAX_PREFILL_GRAPH_TOKENS = 2048  # longer lone prompts prefill eagerly: their launches are a small part of their time
 
 
 class DecodeInputs:
@@ -104,6 +108,78 @@ class DecodeInputs:
         self.device_int32.copy_(self.host_int32, non_blocking=True)
 
 
+class PrefillGraphs:
+    """The prefill of one prompt with nothing cached, replayed from a CUDA graph per bucket of prompt lengths (16,
+    32, 64, ... up to ``max_tokens``), each captured the first time a prompt of its bucket comes. Eager, a prefill
+    launches every kernel of every layer from Python (about 180 for a 16-layer model: 23 ms on session 7's device
+    host for 128 tokens); replayed, it is one launch.
+
+    A prompt of n tokens runs padded to its bucket. The padding rows come after the prompt's (token 0 at position 0,
+    K/V written to the padding block), so under causal attention no prompt token sees one, every layer's other
+    kernels work row by row, and only the prompt's last row is read for logits: the prompt's K/V and logits are
+    those of the unpadded prefill. With ``capture`` False (no GPU) the same padded step runs eagerly, which is how
+    the interpreter tests it.
+    """
+
+    def __init__(self, runner: "ModelRunner", max_tokens: int, capture: bool):
+        self.runner, self.capture = runner, capture
+        self.buckets = [16]
+        while self.buckets[-1] < max_tokens:
+            self.buckets.append(2 * self.buckets[-1])
+        rows, device = self.buckets[-1], runner.device
+        pinned = device.type == "cuda"
+        self.host = torch.zeros(3 * rows + 1, dtype=torch.int64, pin_memory=pinned)  # ids, positions, slots, last
+        self.device_buffer = torch.zeros_like(self.host, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.pool = None
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The smallest bucket that holds ``num_tokens``; None past the largest (that prompt runs eagerly)."""
+        return next((b for b in self.buckets if b >= num_tokens), None)
+
+    def __call__(self, seq: Sequence, bucket: int) -> StepOutput:
+        if self.capture and bucket not in self.graphs:
+            self._capture(bucket)
+        n, bs = len(seq), self.runner.block_size
+        self._fill(bucket, seq.token_ids, range(n), [seq.block_table[p // bs] * bs + p % bs for p in range(n)])
+        if not self.capture:
+            return self._step(bucket)
+        graph, out = self.graphs[bucket]
+        graph.replay()
+        return out
+
+    def _fill(self, bucket: int, ids, positions, slots) -> None:
+        """Write the prompt's rows, then padding rows up to ``bucket``, and the last prompt row's index; send."""
+        rows, n = self.buckets[-1], len(ids)
+        host = self.host.numpy()
+        host_ids, host_positions, host_slots = host[:rows], host[rows:2 * rows], host[2 * rows:3 * rows]
+        host_ids[:n], host_positions[:n], host_slots[:n] = ids, positions, slots
+        host_ids[n:bucket], host_positions[n:bucket] = 0, 0
+        host_slots[n:bucket] = self.runner.pad_block * self.runner.block_size
+        host[-1] = n - 1
+        self.device_buffer.copy_(self.host, non_blocking=True)
+
+    def _step(self, bucket: int) -> StepOutput:
+        rows, runner = self.buckets[-1], self.runner
+        ids, positions, slots = (self.device_buffer[i * rows:i * rows + bucket] for i in range(3))
+        ctx = StepContext(True, slots, max_query_len=bucket, flash_groups=[(None, 1, bucket)])
+        hidden = runner.model(ids, positions, ctx, runner.k_caches, runner.v_caches)
+        logits = runner.model.logits(hidden[self.device_buffer[-1:]])
+        return StepOutput(logits, greedy(logits, runner.fused))
+
+    def _capture(self, bucket: int) -> None:
+        """Capture ``bucket``'s graph with every row padding (the warm-up run compiles its kernels and writes only
+        the padding block); its buckets share one memory pool, as the decode graphs do."""
+        self._fill(bucket, [0], [0], [self.runner.pad_block * self.runner.block_size])
+        self._step(bucket)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = self._step(bucket)
+        self.pool = graph.pool()
+        self.graphs[bucket] = (graph, out)
+
+
 class ModelRunner:
     def __init__(self, model: Model, num_blocks: int, block_size: int, max_model_len: int, max_num_seqs: int,
                  features: Features = Features()):
@@ -118,14 +194,20 @@ class ModelRunner:
         self.max_blocks = -(-max_model_len // block_size)  # block-table width of every decode step
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
+        self.prefill_graphs: PrefillGraphs | None = None
         if features.cuda_graphs and runtime.on_gpu():
             self._capture(max_num_seqs)
+            self.prefill_graphs = PrefillGraphs(self, min(max_model_len, MAX_PREFILL_GRAPH_TOKENS), capture=True)
 
     # --- prefill -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> StepOutput:
         """Compute every sequence's uncached tokens; return the logits of each one's last token, (B, vocab), and
         its greedy token."""
+        lone = seqs[0] if len(seqs) == 1 and not seqs[0].num_cached_tokens else None
+        bucket = lone and self.prefill_graphs and self.prefill_graphs.bucket(len(lone))
+        if bucket:
+            return self.prefill_graphs(lone, bucket)
         bs = self.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
         for seq in seqs:

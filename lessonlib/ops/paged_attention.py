@@ -104,10 +104,12 @@ def _paged_attention_split_kernel(
         physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
         offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
             + kv_head * stride_cache_head + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=in_split[:, None], other=0.0)  # (PAGES_PER_STEP * PAGE_SIZE, D)
-        v = tl.load(v_cache_ptr + offsets, mask=in_split[:, None], other=0.0)
-        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, tokens)
+        # Slots past the sequence's length are not read at all: whatever they hold (a freed sequence's K/V, NaN)
+        # would otherwise reach the output as 0 * v.
         valid = in_split & ((logical * PAGE_SIZE + j) < seq_len)
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)  # (PAGES_PER_STEP * PAGE_SIZE, D)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale  # (BLOCK_G, tokens)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m, l, acc = _online_softmax_step(m, l, acc, scores, v, PRECISE_EXP, INPUT_PRECISION)
 

@@ -46,6 +46,17 @@ def test_every_split_and_step_gives_the_same_attention(num_splits, blocks_per_st
     check(*paged_inputs([128, 20, 1], 8, 2, 32, 16, dtype), num_splits=num_splits, blocks_per_step=blocks_per_step)
 
 
+def test_slots_past_each_sequence_are_never_read(dtype):
+    """The last block of each sequence is filled past its length with NaN (what a freed sequence's block may hold
+    after an overflow): the output must not change, since no query may see those slots."""
+    q, k_cache, v_cache, table, lens = paged_inputs([16, 1, 33, 7], 8, 2, 32, 16, dtype)
+    for b, n in enumerate(lens.tolist()):
+        last = int(table[b, (n - 1) // 16])
+        k_cache[last, (n - 1) % 16 + 1:] = float("nan")
+        v_cache[last, (n - 1) % 16 + 1:] = float("nan")
+    check(q, k_cache, v_cache, table, lens, num_splits=2)
+
+
 def test_paged_attention_through_a_paged_kv_cache(dtype):
     cache = PagedKVCache(num_blocks=10, block_size=16, num_kv_heads=2, head_dim=32, dtype=dtype, device=DEVICE)
     for seq, n in (("a", 40), ("b", 16), ("c", 3)):
