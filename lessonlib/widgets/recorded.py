@@ -126,7 +126,8 @@ LESSONS = {
         _live_flash_attention, small_gpu=lambda s: {**s, "B": 1, "N": min(s["N"], 4096)}),
     "paged_attention": RecordedRun(
         "paged-attention-h200", (Op.PAGED_ATTENTION,),
-        (Impl.LESSONLIB, Impl.TABLES_VALIDATED, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA), (Unit.GBPS,),
+        (Impl.LESSONLIB, Impl.TABLES_VALIDATED, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA, Impl.FLEX_PAGED),
+        (Unit.GBPS,),
         _live_paged_attention),
     "torch_compile": RecordedRun(
         "fusion-h200", (Op.SWIGLU, Op.ADD_RMS_NORM, Op.APPLY_ROPE, Op.GATED_MLP),
@@ -163,6 +164,7 @@ def show_recorded_run(lesson: RecordedRun, recorded: results.Results, case: str,
 
 def _print_shown(lesson: RecordedRun, recorded: results.Results, shown: dict) -> None:
     here = gpu_name()
+    width = max(map(len, shown["impls"]), default=0)
     for impl in shown["impls"]:
         if impl not in shown["recorded"] and impl not in (shown["live"] or {}):
             continue  # not an implementation of this op (the GatedMLP's lessonlib is its own)
@@ -172,7 +174,7 @@ def _print_shown(lesson: RecordedRun, recorded: results.Results, shown: dict) ->
                 got = values.get(impl)
                 parts.append(f"{source}: " + (", ".join(_number(f, got[f]) for f in lesson.fields) if got else
                                               "not timed"))
-        print(f"{impl:32s} " + " | ".join(parts))
+        print(f"{impl:{width}s} " + " | ".join(parts))
     if shown["skipped"]:
         print(shown["skipped"])
     if shown["live_shape"] is not None and shown["live_shape"] != shown["shape"]:
