@@ -1,6 +1,7 @@
-"""Lessons 01-05's "recorded run beside your GPU" views in a real browser. One small notebook is made of the
-lessons' own cells (taken by cell id, so the test runs the real cells, not copies): the set-up cell (the same in
-every lesson), lesson 01's imports, then each lesson's view cell. It runs once in JupyterLab (one start-up, one
+"""Lessons 01-05's "recorded run beside your GPU" views, and lesson 07's KV-blocks view (a FigureView written in the
+notebook itself), in a real browser. One small notebook is made of the lessons' own cells (taken by cell id, so the
+test runs the real cells, not copies): the set-up cell (the same in every lesson), lessons 01's and 07's imports,
+then each lesson's view cell. It runs once in JupyterLab (one start-up, one
 kernel: a whole lesson costs 20-60 s under the interpreter); each lesson's test then chooses another case in its
 view's dropdown and waits for the figure to be redrawn, with no Traceback in the page."""
 
@@ -23,9 +24,11 @@ VIEWS = {  # lesson notebook: its view cell's id
     "03_paged_attention.ipynb": "recorded-run-view",
     "04_torch_compile.ipynb": "recorded-run-view",
     "05_cuda_graphs.ipynb": "recorded-run-view",
+    "07_serving_engine.ipynb": "ba883e3d",  # requests arriving: KV blocks used vs reserved
 }
 SET_UP = [(NOTEBOOKS / "01_operator_fusion.ipynb", "af0aed51"),  # the set-up cell
-          (NOTEBOOKS / "01_operator_fusion.ipynb", "e4bfb921")]  # lesson 01's imports, which its view cell uses
+          (NOTEBOOKS / "01_operator_fusion.ipynb", "e4bfb921"),  # lesson 01's imports, which its view cell uses
+          (NOTEBOOKS / "07_serving_engine.ipynb", "749b9ffb")]  # lesson 07's (simulate, plot_simulation)
 
 
 @pytest.fixture(scope="module")
