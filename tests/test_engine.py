@@ -332,3 +332,21 @@ def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
     top = runs[-2].tokens  # everything on
     for run in runs:
         assert run.tokens == top and run.blocks_in_use == 0, run.label
+
+
+def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
+    """What a captured decode graph reads: each sequence's last token, its position and slot, its length and block
+    table, all in one buffer; rows past the batch point at the padding block."""
+    from lessonlib.engine.model_runner import DecodeInputs
+    from lessonlib.engine.sequence import Sequence
+
+    inputs = DecodeInputs(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
+    a = Sequence(list(range(1, 18)), GREEDY, block_table=[5, 2])  # 17 tokens: the last in block 2, offset 0
+    b = Sequence([7] * 3, GREEDY, block_table=[4])
+    views = inputs.fill([a, b], rows=3)
+    assert views["input_ids"].tolist() == [17, 7, 0] and views["positions"].tolist() == [16, 2, 0]
+    assert views["slots"].tolist() == [2 * 16, 4 * 16 + 2, 9 * 16] and views["seq_lens"].tolist() == [17, 3, 1]
+    assert views["block_table"][:, :2].tolist() == [[5, 2], [4, 9], [9, 9]]
+    views = inputs.fill([b], rows=2)  # a smaller batch next: its padding row no longer holds b's
+    assert views["input_ids"].tolist() == [7, 0] and views["seq_lens"].tolist() == [3, 1]
+    assert views["block_table"][:, :2].tolist() == [[4, 9], [9, 9]]

@@ -47,28 +47,33 @@ MAX_PREFILL_GRAPH_TOKENS = 2048  # longer lone prompts prefill eagerly: their la
 
 
 class DecodeInputs:
-    """A decode step's integer inputs, written on the host into one page-locked buffer per dtype and sent to the
-    GPU in two copies (int64: token ids, positions, cache slots; int32: sequence lengths, block tables). The
-    device buffers are what the captured graphs read, so a replay needs no other input.
+    """A decode step's integer inputs, written on the host into one page-locked buffer and sent to the GPU in one
+    copy (its int64 part: token ids, positions, cache slots; its int32 part: sequence lengths, block tables; each a
+    view of the same bytes). The device buffer is what the captured graphs read, so a replay needs no other input.
 
     Rows past the batch are padding: token 0 at position 0, its K/V written to the padding block, attending to
-    one token of it. Reusing the host buffers each step is safe because every step ends by reading its sampled
+    one token of it. Reusing the host buffer each step is safe because every step ends by reading its sampled
     tokens back to the host, which waits for the step's copies too.
     """
 
     def __init__(self, rows: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device):
         pinned = device.type == "cuda"
         self.rows, self.max_blocks, self.pad_block, self.block_size = rows, max_blocks, pad_block, block_size
-        self.host_ints = torch.zeros(3, rows, dtype=torch.int64, pin_memory=pinned)
-        self.host_int32 = torch.zeros(rows * (1 + max_blocks), dtype=torch.int32, pin_memory=pinned)
+        int64_bytes, int32_bytes = 3 * rows * 8, rows * (1 + max_blocks) * 4
+        self.host = torch.zeros(int64_bytes + int32_bytes, dtype=torch.uint8, pin_memory=pinned)
+        self.device_buffer = torch.zeros_like(self.host, device=device)
+        self.host_ints, self.host_int32 = self._split(self.host, int64_bytes)
+        self.device_ints, self.device_int32 = self._split(self.device_buffer, int64_bytes)
         self.ids, self.positions, self.slots = self.host_ints.numpy()
         int32 = self.host_int32.numpy()
         self.lens, self.table = int32[:rows], int32[rows:].reshape(rows, max_blocks)
-        self.device_ints = torch.zeros_like(self.host_ints, device=device)
-        self.device_int32 = torch.zeros_like(self.host_int32, device=device)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
         self._pad(rows)
         self._send()
+
+    def _split(self, buffer: torch.Tensor, int64_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (3, rows) int64 and the flat int32 views of one byte buffer."""
+        return buffer[:int64_bytes].view(torch.int64).view(3, self.rows), buffer[int64_bytes:].view(torch.int32)
 
     def views(self, rows: int) -> dict[str, torch.Tensor]:
         """The first ``rows`` rows of the device buffers, by StepContext's names."""
@@ -104,8 +109,7 @@ class DecodeInputs:
         self.table[:rows] = self.pad_block  # entries past a sequence's blocks are never read
 
     def _send(self) -> None:
-        self.device_ints.copy_(self.host_ints, non_blocking=True)
-        self.device_int32.copy_(self.host_int32, non_blocking=True)
+        self.device_buffer.copy_(self.host, non_blocking=True)
 
 
 class PrefillGraphs:
