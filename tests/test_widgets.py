@@ -52,6 +52,7 @@ def _bars_view(fail_at=None):
 def test_a_view_holds_its_text_and_figure_as_widget_state_and_redraws_when_a_control_moves():
     """The text and the PNG are the view's own widgets (not cell output a front end may misroute), and a
     plt.show() inside the function draws into the view."""
+    plt.figure()  # a figure some earlier cell left open and current: the view must not draw into it
     figures_before = plt.get_fignums()
     view = _bars_view()
     first = view.figure.value
@@ -59,7 +60,8 @@ def test_a_view_holds_its_text_and_figure_as_widget_state_and_redraws_when_a_con
     view.controls["height"].value = 7
     assert "one bar of height 7" in view.text.value and view.result == {"height": 7}
     assert bytes(view.figure.value).startswith(PNG) and bytes(view.figure.value) != bytes(first)
-    assert plt.get_fignums() == figures_before  # each drawn figure was closed once it became a PNG
+    assert plt.get_fignums() == figures_before and not plt.gcf().axes  # each drawn figure closed once a PNG
+    plt.close("all")
 
 
 def test_drive_draws_nothing_and_leaves_the_same_picture():

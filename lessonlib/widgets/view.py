@@ -60,6 +60,7 @@ class FigureView(w.VBox):
 
     def _run(self, raise_errors: bool) -> None:
         before = set(plt.get_fignums())
+        plt.figure()  # fn's plt.plot() draws here, not into a figure some other cell left current
         printed = io.StringIO()
         try:
             with contextlib.redirect_stdout(printed), mock.patch.object(plt, "show", lambda *args, **kwargs: None):
@@ -74,6 +75,7 @@ class FigureView(w.VBox):
             drawn = [plt.figure(n) for n in plt.get_fignums() if n not in before]
             for fig in drawn:
                 plt.close(fig)
+        drawn = [fig for fig in drawn if fig.axes]  # the empty figure above, when fn made its own
         self._show(printed.getvalue(), drawn[-1] if drawn and self._drawing else None)
 
     def _show(self, text: str, fig) -> None:
