@@ -64,11 +64,21 @@ def test_a_view_holds_its_text_and_figure_as_widget_state_and_redraws_when_a_con
     plt.close("all")
 
 
-def test_drive_draws_nothing_and_leaves_the_same_picture():
-    view = _bars_view()
+def test_drive_runs_the_function_once_there_draws_nothing_until_back_and_raises_its_errors():
+    view = _bars_view(fail_at=6)
     shown_text, shown_png = view.text.value, bytes(view.figure.value)
+    runs, changes = [], []
+    real_fn = view.fn
+    view.fn = lambda **kw: runs.append(kw["height"]) or real_fn(**kw)
+    view.text.observe(changes.append, names="value")
+    view.figure.observe(changes.append, names="value")
     assert widgets.drive(view, height=5) == {"height": 5}
+    assert runs == [5, 1]  # once at the driven value, once to redraw where the controls are back
+    assert changes == []  # the screen never showed height 5 (the redraw at 1 equals what was shown)
     assert (view.text.value, bytes(view.figure.value)) == (shown_text, shown_png)
+    with pytest.raises(ValueError, match="no bar of height 6"):
+        widgets.drive(view, height=6)
+    assert view.controls["height"].value == 1 and view.result == {"height": 1}
 
 
 def test_a_redraw_that_fails_shows_its_traceback_in_the_view_and_the_next_one_recovers():

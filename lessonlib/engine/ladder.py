@@ -55,9 +55,11 @@ def _sync():
 
 def run_rung(llm: LLM, prompts, params: list[SamplingParams], label: str, warm_up=None) -> RungRun:
     """``warm_up`` (prompts, params), if given, runs first and untimed: Triton compiles each kernel at its first
-    call, which the timed run must not pay."""
+    call, which the timed run must not pay; then its first prompt alone, which captures that length's prefill graph
+    (a request admitted alone is prefilled from it)."""
     if warm_up is not None:
         llm.generate(*warm_up)
+        llm.generate(warm_up[0][:1], warm_up[1])
     _sync()
     start = time.perf_counter()
     outs = llm.generate(prompts, params)

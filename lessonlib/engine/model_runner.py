@@ -121,7 +121,7 @@ class PrefillGraphs:
     A prompt of n tokens runs padded to its bucket. The padding rows come after the prompt's (token 0 at position 0,
     K/V written to the padding block), so under causal attention no prompt token sees one, every layer's other
     kernels work row by row, and only the prompt's last row is read for logits: the prompt's K/V and logits are
-    those of the unpadded prefill. With ``capture`` False (no GPU) the same padded step runs eagerly, which is how
+    those of the unpadded prefill, up to rounding (a GEMM over more rows may use another cuBLAS kernel). With ``capture`` False (no GPU) the same padded step runs eagerly, which is how
     the interpreter tests it.
     """
 
@@ -141,7 +141,7 @@ class PrefillGraphs:
         """The smallest bucket that holds ``num_tokens``; None past the largest (that prompt runs eagerly)."""
         return next((b for b in self.buckets if b >= num_tokens), None)
 
-    def __call__(self, seq: Sequence, bucket: int) -> StepOutput:
+    def run(self, seq: Sequence, bucket: int) -> StepOutput:
         if self.capture and bucket not in self.graphs:
             self._capture(bucket)
         n, bs = len(seq), self.runner.block_size
@@ -211,7 +211,7 @@ class ModelRunner:
         lone = seqs[0] if len(seqs) == 1 and not seqs[0].num_cached_tokens else None
         bucket = lone and self.prefill_graphs and self.prefill_graphs.bucket(len(lone))
         if bucket:
-            return self.prefill_graphs(lone, bucket)
+            return self.prefill_graphs.run(lone, bucket)
         bs = self.block_size
         ids, positions, slots, starts, lens = [], [], [], [0], []
         for seq in seqs:

@@ -87,20 +87,21 @@ def roofline_explorer(ceilings: Ceilings, op="swiglu"):
 
 
 def drive(view, **values) -> dict:
-    """The view's result with its controls at ``values`` (``drive(view, tokens=1)``), computed by moving the controls
-    as a student would, then moving them back. Nothing is drawn on the way, so the view keeps showing the figure of
-    the values its controls show again: a control and its figure never disagree after "Run all"."""
+    """The view's result with its controls at ``values`` (``drive(view, tokens=1)``), computed once with the
+    controls moved as a student would, then moved back; whatever the function raises there is raised here. Nothing
+    is drawn until the controls are back, so a control and its figure never disagree after "Run all"."""
     unknown = set(values) - set(view.controls)
     if unknown:
         raise ValueError(f"no control named {sorted(unknown)}; this view has {sorted(view.controls)}")
     before = {name: view.controls[name].value for name in values}
     with view.quietly():
-        for name, value in values.items():
-            view.controls[name].value = value
-        result = view.result
-        for name, value in before.items():
-            view.controls[name].value = value
-    return result
+        try:
+            for name, value in values.items():
+                view.controls[name].value = value
+            return view.compute()
+        finally:
+            for name, value in before.items():
+                view.controls[name].value = value
 
 
 def show_score_memory(tokens=8192, heads=32, dtype="bfloat16") -> dict:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import html
 import io
+import threading
 import traceback
 from typing import Callable
 from unittest import mock
@@ -21,6 +22,11 @@ import ipywidgets as w
 import matplotlib.pyplot as plt
 
 VIEW_CLASS = "lessonlib-view"  # the CSS class browser tests find a view by
+
+
+# pyplot's figures, sys.stdout and plt.show are the whole process's: one run at a time, whichever thread a widget
+# callback comes on (JupyterLab's kernel subshells run them on their own thread).
+_RUNNING = threading.RLock()
 
 
 class FigureView(w.VBox):
@@ -35,52 +41,59 @@ class FigureView(w.VBox):
         super().__init__([*controls.values(), self.text, self.figure])
         self.add_class(VIEW_CLASS)
         self.result: dict | None = None
-        self._drawing = True
-        self._run(raise_errors=True)  # a cell that builds a broken view fails, rather than showing a traceback
+        self._quiet = False
+        self._run(draw=True, raise_errors=True)  # a cell that builds a broken view fails, rather than showing a traceback
         for control in controls.values():
             control.observe(self._moved, names="value")
 
     def update(self) -> None:
-        """Run the function at the controls' values and redraw."""
-        self._run(raise_errors=False)
+        """Run the function at the controls' values and redraw (a failure: its traceback shown in the view)."""
+        self._run(draw=True, raise_errors=False)
+
+    def compute(self) -> dict:
+        """Run the function at the controls' values without drawing; return its result, raise what it raises."""
+        self._run(draw=False, raise_errors=True)
+        return self.result
 
     @contextlib.contextmanager
     def quietly(self):
-        """Inside, moving a control recomputes ``result`` without drawing (``drive`` moves controls there and back);
-        on the way out the view redraws once, at whatever its controls then show."""
-        self._drawing = False
+        """Inside, moving a control runs nothing (``drive`` moves controls there and back, and calls ``compute``
+        once); on the way out the view redraws once, at whatever its controls then show."""
+        self._quiet = True
         try:
             yield self
         finally:
-            self._drawing = True
+            self._quiet = False
             self.update()
 
     def _moved(self, change) -> None:
-        self.update()
+        if not self._quiet:
+            self.update()
 
-    def _run(self, raise_errors: bool) -> None:
-        before = set(plt.get_fignums())
-        plt.figure()  # fn's plt.plot() draws here, not into a figure some other cell left current
-        printed = io.StringIO()
-        try:
-            with contextlib.redirect_stdout(printed), mock.patch.object(plt, "show", lambda *args, **kwargs: None):
-                self.result = self.fn(**self.fixed, **{name: c.value for name, c in self.controls.items()})
-        except Exception:
-            if raise_errors:
-                raise
-            self.result = None
-            self._show(printed.getvalue() + traceback.format_exc(), None)
-            return
-        finally:
-            drawn = [plt.figure(n) for n in plt.get_fignums() if n not in before]
-            for fig in drawn:
-                plt.close(fig)
-        drawn = [fig for fig in drawn if fig.axes]  # the empty figure above, when fn made its own
-        self._show(printed.getvalue(), drawn[-1] if drawn and self._drawing else None)
+    def _run(self, draw: bool, raise_errors: bool) -> None:
+        with _RUNNING:
+            before = set(plt.get_fignums())
+            plt.figure()  # fn's plt.plot() draws here, not into a figure some other cell left current
+            printed = io.StringIO()
+            try:
+                with contextlib.redirect_stdout(printed), mock.patch.object(plt, "show", lambda *args, **kwargs: None):
+                    self.result = self.fn(**self.fixed, **{name: c.value for name, c in self.controls.items()})
+            except Exception:
+                self.result = None
+                if raise_errors:
+                    raise
+                if draw:
+                    self._show(printed.getvalue() + traceback.format_exc(), None)
+                return
+            finally:
+                drawn = [plt.figure(n) for n in plt.get_fignums() if n not in before]
+                for fig in drawn:
+                    plt.close(fig)
+            if draw:
+                drawn = [fig for fig in drawn if fig.axes]  # the empty figure above, when fn made its own
+                self._show(printed.getvalue(), drawn[-1] if drawn else None)
 
     def _show(self, text: str, fig) -> None:
-        if not self._drawing:
-            return
         self.text.value = f"<pre style='margin: 4px 0; line-height: 1.35'>{html.escape(text.rstrip())}</pre>"
         if fig is not None:
             png = io.BytesIO()
