@@ -19,14 +19,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
+from lessonlib import bench, ops, runtime  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
+from lessonlib.cases import paged_attention as cases  # noqa: E402
 from lessonlib.cases.paged_attention import decode_case  # noqa: E402
 from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
-from lessonlib.ops.rope_store_kv import apply_rope_then_store_kv  # noqa: E402
 from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op, sweep_label  # noqa: E402
-from lessonlib.testing import check_close, to_float64  # noqa: E402
+from lessonlib.testing import check_close  # noqa: E402
 
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16
@@ -94,45 +94,9 @@ def store_kv_case(run, smoke):
 
 
 def rope_store_kv_case(run, tokens, head_dim, smoke):
-    """ops.rope_store_kv against the kernels it replaces and plain PyTorch, each writing into its own pool."""
+    """ops.rope_store_kv against the kernels it replaces and plain PyTorch (lessonlib.cases.paged_attention)."""
     heads, kv_heads, _, block_size = SMOKE_HEADS if smoke else (HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE)
-    device, width = runtime.device(), (heads + 2 * kv_heads) * head_dim
-    qkv = torch.randn(tokens, width, device=device, dtype=torch.float32).to(run.dtype)
-    cos, sin = reference.rope_cos_sin(torch.randint(0, 32768, (tokens,), device=device), head_dim, dtype=run.dtype)
-    num_blocks = -(-tokens // block_size) * 2
-    pools = {name: [torch.zeros(num_blocks, block_size, kv_heads, head_dim, device=device, dtype=run.dtype)
-                    for _ in range(2)] for name in ("fused", "separate", "float64", "low")}
-    pools["float64"] = [p.double() for p in pools["float64"]]
-    slots = torch.randperm(num_blocks * block_size, device=device)[:tokens]
-    sizes = dict(num_heads=heads, num_kv_heads=kv_heads)
-    # The two kernels alone: q and k copied once, outside the timing, into (T, heads, D) rows seen as (1, heads, T, D)
-    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
-    q4 = q.contiguous().view(tokens, heads, head_dim).transpose(0, 1)[None]
-    k4 = k.contiguous().view(tokens, kv_heads, head_dim).transpose(0, 1)[None]
-    v = v.view(tokens, kv_heads, head_dim)
-
-    def two_kernels():
-        _, k_rot = ops.apply_rope(q4, k4, cos, sin)
-        ops.store_kv(k_rot[0].transpose(0, 1), v, *pools["separate"], slots, validate=False)
-
-    def check():
-        q = ops.rope_store_kv(qkv, cos, sin, *pools["fused"], slots, **sizes)
-        q_separate = apply_rope_then_store_kv(qkv, cos, sin, *pools["separate"], slots, **sizes)
-        assert torch.equal(q, q_separate), "rope_store_kv: q differs from apply_rope's"
-        assert all(torch.equal(a, b) for a, b in zip(pools["fused"], pools["separate"])), "rope_store_kv: caches differ"
-        truth = reference.rope_store_kv(*to_float64(qkv, cos, sin), *pools["float64"], slots, **sizes)
-        check_close("rope_store_kv q", q, truth, reference.rope_store_kv(qkv, cos, sin, *pools["low"], slots, **sizes))
-        check_close("rope_store_kv k_cache", pools["fused"][0], pools["float64"][0], pools["low"][0])
-
-    nbytes = traffic.rope_store_kv(tokens, heads, kv_heads, head_dim, qkv.element_size()).fused.bytes
-    peers = {Impl.LESSONLIB: lambda: ops.rope_store_kv(qkv, cos, sin, *pools["fused"], slots, **sizes, validate=False),
-             Impl.APPLY_ROPE_THEN_STORE_KV: two_kernels,
-             Impl.COPIES_APPLY_ROPE_STORE_KV: lambda: apply_rope_then_store_kv(qkv, cos, sin, *pools["separate"], slots,
-                                                                               **sizes),
-             Impl.EAGER: lambda: reference.rope_store_kv(qkv, cos, sin, *pools["low"], slots, **sizes),
-             Impl.COPY: copy_call(nbytes)}
-    shape = {"T": tokens, "H": heads, "Hkv": kv_heads, "D": head_dim, "block_size": block_size}
-    return Case(Op.ROPE_STORE_KV, shape, peers, check, nbytes, graphed=tuple(peers), may_fail=(Impl.EAGER,))
+    return cases.rope_store_kv_case(tokens, heads, kv_heads, head_dim, block_size, run.dtype)
 
 
 def main():

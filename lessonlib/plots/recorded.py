@@ -12,8 +12,9 @@ from lessonlib.plots.fusion import gpu_name
 from lessonlib.results import Unit
 
 SPEEDUP = "speedup"  # not a record field: the baseline's time over the implementation's
-FIELD_LABELS = {Unit.TFLOPS: "TFLOP/s", Unit.GBPS: "GB/s", Unit.US: "µs per call", SPEEDUP: "speedup over eager",
-                "launches": "kernel launches per step"}
+FIELD_LABELS = {Unit.TFLOPS: "TFLOP/s", Unit.GBPS: "GB/s from Python",
+                Unit.GRAPH_GBPS: "GB/s in a CUDA graph", Unit.US: "µs per call",
+                SPEEDUP: "speedup over eager", "launches": "kernel launches per step"}
 _OTHER_COLORS = ("#17becf", "#bcbd22", "#ff7f0e", "#e377c2")
 
 

@@ -91,11 +91,13 @@ def _live_flash_attention(op: str, shape: dict) -> list[dict]:
 
 
 def _live_paged_attention(op: str, shape: dict) -> list[dict]:
-    from lessonlib.cases.paged_attention import decode_case
+    from lessonlib.cases.paged_attention import decode_case, rope_store_kv_case
 
+    if op == Op.ROPE_STORE_KV:
+        keys = ("T", "H", "Hkv", "D", "block_size")
+        return _run(Benchmark.PAGED_ATTENTION, lambda run: [rope_store_kv_case(*(shape[k] for k in keys), run.dtype)])
     keys = ("B", "context", "H", "Hkv", "D", "block_size")
-    return _run(Benchmark.PAGED_ATTENTION,
-                lambda run: [decode_case(*(shape[k] for k in keys), run.dtype, graphed=False)[0]])
+    return _run(Benchmark.PAGED_ATTENTION, lambda run: [decode_case(*(shape[k] for k in keys), run.dtype)[0]])
 
 
 def _live_torch_compile(op: str, shape: dict) -> list[dict]:
@@ -124,11 +126,12 @@ LESSONS = {
         "flash-attention-h200", (Op.FORWARD, Op.BACKWARD),
         (Impl.LESSONLIB, Impl.NAIVE, Impl.SDPA_FLASH, Impl.SDPA_CUDNN, Impl.SDPA_EFFICIENT), (Unit.TFLOPS,),
         _live_flash_attention, small_gpu=lambda s: {**s, "B": 1, "N": min(s["N"], 4096)}),
+    # Decode attention, and RoPE fused with the cache write (the engine's rope_store_kv) against what it replaces.
     "paged_attention": RecordedRun(
-        "paged-attention-h200", (Op.PAGED_ATTENTION,),
-        (Impl.LESSONLIB, Impl.TABLES_VALIDATED, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA, Impl.FLEX_PAGED),
-        (Unit.GBPS,),
-        _live_paged_attention),
+        "paged-attention-h200", (Op.PAGED_ATTENTION, Op.ROPE_STORE_KV),
+        (Impl.LESSONLIB, Impl.TABLES_VALIDATED, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA, Impl.FLEX_PAGED,
+         Impl.APPLY_ROPE_THEN_STORE_KV, Impl.COPIES_APPLY_ROPE_STORE_KV, Impl.EAGER, Impl.COPY),
+        (Unit.GBPS, Unit.GRAPH_GBPS), _live_paged_attention),
     "torch_compile": RecordedRun(
         "fusion-h200", (Op.SWIGLU, Op.ADD_RMS_NORM, Op.APPLY_ROPE, Op.GATED_MLP),
         (Impl.LESSONLIB, Impl.FUSED_GATED_MLP, Impl.EAGER, Impl.COMPILE), (Unit.US, SPEEDUP),
