@@ -7,7 +7,9 @@ vocabulary 128256, tied embeddings; built here with transformers' LlamaConfig, n
 local checkpoint the engine loads. 128-token random prompts, 128 new tokens (greedy, no early stop), batch 1, 8, 32.
 Peers in the same run: transformers ``generate`` with its default dynamic cache (eager), and with its static cache
 (``cache_implementation="static"``, which compiles the forward; warmed up at the timed shapes first), and the
-engine with and without CUDA graphs (``enforce_eager=True``).
+engine with and without CUDA graphs (``enforce_eager=True``), and at batch 1 the engine with CUDA graphs but
+cuBLAS for its projections (``Features(gemv=False)``: what ``ops.gemv`` and its programmatic dependent launch
+give).
 
 Checks first: the engine's logits at the prefill and the first decode steps against transformers in float64 (the
 truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (lessonlib.testing's rule), and greedy
@@ -35,7 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lessonlib import bench, ops, runtime  # noqa: E402
-from lessonlib.engine import LLM, ModelConfig, SamplingParams  # noqa: E402
+from lessonlib.ops._common import pdl  # noqa: E402
+from lessonlib.engine import LLM, Features, ModelConfig, SamplingParams  # noqa: E402
 from lessonlib.engine.ladder import run_ladder  # noqa: E402
 from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
@@ -222,8 +225,12 @@ def benchmark(run, out, folder, started):
     engines = {Impl.ENGINE_GRAPHS: LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len)}
     engines[Impl.ENGINE_EAGER] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
                                      enforce_eager=True)
+    if engines[Impl.ENGINE_GRAPHS].cuda_graphs and 1 in batches:
+        engines[Impl.ENGINE_GRAPHS_CUBLAS] = LLM(path, dtype=run.dtype, max_num_seqs=1, max_model_len=max_len,
+                                                 features=Features(gemv=False))
     if not engines[Impl.ENGINE_GRAPHS].cuda_graphs:
         del engines[Impl.ENGINE_GRAPHS]  # on CPU: no graphs, the two engines would be one
+    run.notes["programmatic_dependent_launch"] = pdl()
     print(f"built and loaded in {time.perf_counter() - started:.0f} s", flush=True)
     low_model = hf_model(path, run.dtype)
 
@@ -249,20 +256,24 @@ def benchmark(run, out, folder, started):
 
 
 def check_engines(engines, path, low_model, check_prompts, new_tokens) -> dict:
-    """Each engine's logits against transformers in float64, and its greedy tokens against transformers in bf16."""
+    """Each engine's logits against transformers in float64, and its greedy tokens against transformers in bf16:
+    batched, and for the engine with CUDA graphs also one prompt alone (batch 1: its projections by ops.gemv)."""
     truth_model = hf_model(path, torch.float64)
     checks = {}
-    for name, llm in engines.items():
-        report = check_logits(llm, truth_model, low_model, check_prompts, min(CHECK_STEPS, new_tokens))
-        ours, _ = engine_generate(llm, check_prompts, new_tokens)
-        theirs, _ = hf_generate(low_model, check_prompts, new_tokens)
+    runs = [(name, llm, check_prompts) for name, llm in engines.items() if name != Impl.ENGINE_GRAPHS_CUBLAS]
+    runs += [(f"{name}, batch 1", llm, check_prompts[:1]) for name, llm in engines.items()
+             if name in (Impl.ENGINE_GRAPHS, Impl.ENGINE_GRAPHS_CUBLAS)]
+    for name, llm, chosen in runs:
+        report = check_logits(llm, truth_model, low_model, chosen, min(CHECK_STEPS, new_tokens))
+        ours, _ = engine_generate(llm, chosen, new_tokens)
+        theirs, _ = hf_generate(low_model, chosen, new_tokens)
         allowed = max(s["allowed"] for s in report["per_step"])
-        report["greedy_tokens"] = first_divergence(ours, theirs, check_prompts, truth_model, allowed)
+        report["greedy_tokens"] = first_divergence(ours, theirs, chosen, truth_model, allowed)
         checks[name] = report
         errors = ", ".join(f"{s['max_error']:.3g} <= {s['allowed']:.3g}" for s in report["per_step"])
         greedy = report["greedy_tokens"]
         print(f"check {name}: logits {'passed' if report['passed'] else 'FAILED'} ({errors}); greedy tokens: "
-              f"{greedy['identical']}/{len(check_prompts)} identical, divergences {greedy['diverged']}", flush=True)
+              f"{greedy['identical']}/{len(chosen)} identical, divergences {greedy['diverged']}", flush=True)
     del truth_model
     if runtime.on_gpu():
         torch.cuda.empty_cache()
@@ -279,6 +290,8 @@ def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tok
     for batch in batches:
         shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
         for name, generate in peers.items():
+            if name == Impl.ENGINE_GRAPHS_CUBLAS and batch != 1:
+                continue  # the same engine as ENGINE_GRAPHS past batch 1 (gemv serves a lone token only)
             warm_start = time.perf_counter()
             try:
                 generate(prompts(batch))  # compiles at this shape
@@ -294,6 +307,8 @@ def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tok
                     elapsed_s=round(time.perf_counter() - started, 1))
         # The engine's own step log of the timed run: decode steps' mean wall time.
         for name, llm in engines.items():
+            if name == Impl.ENGINE_GRAPHS_CUBLAS and batch != 1:
+                continue
             decode = [s.seconds for s in llm.steps if s.kind == "decode"]
             prefill = [s.seconds for s in llm.steps if s.kind == "prefill"]
             if decode and not any(f["impl"] == name and f["batch"] == batch for f in run.notes.get("failures", [])):

@@ -18,6 +18,16 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+         activation: str | None = None) -> torch.Tensor:
+    """A linear layer, ``x @ weight.T + bias``; with ``activation="swiglu"`` the weight holds gate rows then up rows
+    and the result is ``swiglu(gate, up)``: two launches (the GEMM, then swiglu) and a (M, N) intermediate."""
+    y = F.linear(x, weight, bias)
+    if activation == "swiglu":
+        return swiglu(*y.chunk(2, dim=-1))
+    return y
+
+
 def add_rms_norm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -143,6 +143,7 @@ class Impl:
     ENGINE = "lessonlib engine"
     ENGINE_GRAPHS = "lessonlib engine, CUDA graphs"
     ENGINE_EAGER = "lessonlib engine, eager"
+    ENGINE_GRAPHS_CUBLAS = "lessonlib engine, CUDA graphs, cuBLAS projections"  # Features(gemv=False), batch 1
     WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
     # the tokens/s ladder's rungs (lessonlib.engine.features.ladder), cumulative
     RUNG_PLAIN = "plain PyTorch"

@@ -219,9 +219,13 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     check = recorded.notes["checks"]["lessonlib engine, eager"]
     assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
     ladder = recorded.select(op="tokens_per_s_ladder")
+    graphs = ["+ CUDA graphs"] if runtime.on_gpu() else []  # a rung only where graphs can be captured
     assert [r["impl"] for r in ladder] == ["plain PyTorch", "+ fused ops", "+ FlashAttention prefill", "+ paged decode",
-                                           "+ continuous batching"]  # no "+ CUDA graphs" without a GPU
-    assert all(r["same_tokens_as_top_rung"] == r["shape"]["requests"] and r["tokens_per_s"] > 0 for r in ladder)
+                                           *graphs, "+ continuous batching"]
+    assert all(r["tokens_per_s"] > 0 for r in ladder)
+    if not runtime.on_gpu():  # float32 in the interpreter: every rung gives the same tokens. In bf16 on a GPU the
+        # rungs' different summation orders flip near-ties (the benchmark's checks report them), so no equality there.
+        assert all(r["same_tokens_as_top_rung"] == r["shape"]["requests"] for r in ladder)
     from lessonlib.engine.lesson import plot_ladder
 
     assert len(plot_ladder(recorded).patches) == len(ladder)
@@ -294,16 +298,16 @@ def test_every_rung_of_the_ladder_gives_transformers_tokens(path):
 @pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
 def test_the_plain_rung_calls_no_lessonlib_kernel(path, monkeypatch):
     from lessonlib import ops
-    from lessonlib.engine import Features
+    from lessonlib.engine.features import PLAIN_PYTORCH
 
     def refuse(*args, **kwargs):
         raise AssertionError("a lessonlib kernel ran with every feature off")
 
     for name in ("add_rms_norm", "rope_store_kv", "swiglu", "flash_attention", "paged_attention",
-                 "paged_prefill_attention", "argmax"):
+                 "paged_prefill_attention", "argmax", "gemv"):
         monkeypatch.setattr(ops, name, refuse)
     plain = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=128,
-                features=Features(False, False, False, False, False))
+                features=PLAIN_PYTORCH)
     prompts = ["Hello, my name is", PREFIX]
     outs = plain.generate(prompts, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert_same_tokens(outs, transformers_greedy(path, prompts, 3), prompts)

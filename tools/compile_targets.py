@@ -158,7 +158,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
     - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv, rope_store_kv and
-      argmax: one configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds);
+      argmax, gemv (with PDL from sm_90): one configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds);
       the backward kernels of swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's
       configuration.
     - paged_prefill_attention at D=128 in every dtype.
@@ -176,6 +176,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     rk = _sys.modules["lessonlib.ops.rope_store_kv"]
     am = _sys.modules["lessonlib.ops.argmax"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
+    gv = _sys.modules["lessonlib.ops.gemv"]
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
     f32 = torch.float32
@@ -274,6 +275,13 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
         out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
                         (dtype, f32, torch.int64, 128256, 128256, 4096), config, config=config))
+        # gemv: Llama-3.2-1B's qkv projection (with a bias, as Qwen2's) and gate_up with SwiGLU; PDL from sm_90.
+        pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) else {"PDL": False}
+        for n, swiglu in ((3072, False), (16384, True)):
+            config = gv.config(n // 2 if swiglu else n, 2048, swiglu)
+            out.append(Case("gemv", gv._gemv_kernel, f"N={n} K=2048{' swiglu' if swiglu else ''}", dtype,
+                            (dtype, dtype, dtype, dtype, n // 2 if swiglu else n, 2048, 2048, 2048),
+                            dict(HAS_BIAS=not swiglu, SWIGLU=swiglu, EVEN_K=True, **pdl, **config), config=config))
     return out
 
 

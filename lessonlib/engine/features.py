@@ -9,6 +9,9 @@ a switch turned off runs that part the plain-PyTorch way, so every combination g
                          causal mask)
     paged_decode         decode attention by lessonlib's paged_attention; off: each sequence's pages gathered into
                          contiguous K/V, then SDPA with the padding masked (lesson 03's "gather pages, then SDPA")
+    gemv                 a lone token's projections (batch-1 decode, the logits of a lone prompt's last token) by
+                         lessonlib's gemv: SwiGLU in gate_up's epilogue, each product's weights read while the kernel
+                         before it ends (PDL, Hopper); off: cuBLAS (then swiglu). The ladder turns it on with fused_ops
     cuda_graphs          decode steps, and the prefill of a lone prompt, replayed from CUDA graphs (a GPU only); off:
                          eager
     continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
@@ -29,6 +32,7 @@ class Features:
     paged_decode: bool = True
     cuda_graphs: bool = True
     continuous_batching: bool = True
+    gemv: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -36,15 +40,15 @@ class Features:
                 raise TypeError(f"Features.{f.name} must be a bool, got {getattr(self, f.name)!r}")
 
 
-PLAIN_PYTORCH = Features(False, False, False, False, False)
+PLAIN_PYTORCH = Features(**{f.name: False for f in fields(Features)})
 
 
 def ladder() -> list[tuple[str, Features]]:
     """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
     rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
-    for name, label in (("fused_ops", Impl.RUNG_FUSED_OPS), ("flash_prefill", Impl.RUNG_FLASH_PREFILL),
-                        ("paged_decode", Impl.RUNG_PAGED_DECODE), ("cuda_graphs", Impl.RUNG_CUDA_GRAPHS),
-                        ("continuous_batching", Impl.RUNG_CONTINUOUS_BATCHING)):
-        features = replace(features, **{name: True})
+    for names, label in ((("fused_ops", "gemv"), Impl.RUNG_FUSED_OPS), (("flash_prefill",), Impl.RUNG_FLASH_PREFILL),
+                         (("paged_decode",), Impl.RUNG_PAGED_DECODE), (("cuda_graphs",), Impl.RUNG_CUDA_GRAPHS),
+                         (("continuous_batching",), Impl.RUNG_CONTINUOUS_BATCHING)):
+        features = replace(features, **dict.fromkeys(names, True))
         rungs.append((label, features))
     return rungs

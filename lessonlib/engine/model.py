@@ -8,8 +8,10 @@ sequence in a decode step. Per layer::
                     decode   paged_attention
     -> o GEMM -> add_rms_norm -> gate_up GEMM -> swiglu -> down GEMM
 
-GEMMs are cuBLAS (torch); everything between them is one lessonlib kernel, or, with a :class:`Features` switch
-off, the plain-PyTorch way (lesson 07's tokens/s ladder). ``lessonlib.decoder.DecoderLayer`` is
+GEMMs are cuBLAS (torch), except for a lone token (a decode step at batch 1): there each projection is one
+``ops.gemv`` (gate_up's with SwiGLU in its epilogue, so no swiglu launch; see :func:`project`). Everything between
+them is one lessonlib kernel, or, with a :class:`Features` switch off, the plain-PyTorch way (lesson 07's tokens/s
+ladder). ``lessonlib.decoder.DecoderLayer`` is
 lesson 05's single layer, decode only; this one serves both phases and many sequences of different lengths.
 The three parts of a layer are separate methods (:meth:`DecoderLayer.attention`, :meth:`DecoderLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
@@ -75,7 +77,7 @@ class DecoderLayer(nn.Module):
                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """x: (T, hidden) normed; cos, sin: (T, head_dim). Writes the new K/V into the pool; returns (T, hidden)."""
         tokens, d = x.shape[0], self.head_dim
-        qkv = self.qkv_proj(x)
+        qkv = project(x, self.qkv_proj, self.features)
         fast = self.features
         heads = {"num_heads": self.heads, "num_kv_heads": self.kv_heads}
         if fast.fused_ops:  # one launch: q rotated (returned), k rotated and v written into the pool at the slots
@@ -98,7 +100,7 @@ class DecoderLayer(nn.Module):
             k = k_cache.view(-1, self.kv_heads, d)[ctx.slots]
             v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)
             out = self._flash_prefill(q, k, v, ctx.flash_groups)
-        return self.o_proj(out.reshape(tokens, self.heads * d))
+        return project(out.reshape(tokens, self.heads * d), self.o_proj, self.features)
 
     def _flash_prefill(self, q, k, v, groups) -> torch.Tensor:
         """Prompts with nothing cached: causal flash_attention on their own fresh K/V, one call per prompt length."""
@@ -119,8 +121,7 @@ class DecoderLayer(nn.Module):
         return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # two strided (T, I) views: swiglu reads them in place
-        return self.down_proj((ops.swiglu if self.features.fused_ops else reference.swiglu)(gate, up))
+        return project(project(x, self.gate_up_proj, self.features, activation="swiglu"), self.down_proj, self.features)
 
     def forward(self, hidden, residual, cos, sin, ctx, k_cache, v_cache):
         norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm
@@ -128,6 +129,18 @@ class DecoderLayer(nn.Module):
         hidden = self.attention(normed, cos, sin, ctx, k_cache, v_cache)
         normed, residual = norm(hidden, residual, self.post_attention_norm, self.eps)
         return self.mlp(normed), residual
+
+
+def project(x: torch.Tensor, linear: nn.Linear, features: Features, activation: str | None = None) -> torch.Tensor:
+    """``linear(x)``, then the activation (``"swiglu"``: the weight holds gate rows then up rows). A lone token goes
+    through ``ops.gemv`` (the activation in its epilogue, its weights read while the previous kernel ends); more
+    tokens through cuBLAS, then swiglu, since each row of a gemv reads the whole weight again."""
+    if x.shape[0] == 1 and features.gemv:
+        return ops.gemv(x, linear.weight, linear.bias, activation=activation)
+    y = linear(x)
+    if activation == "swiglu":  # two strided (T, I) views of y: swiglu reads them in place
+        return (ops.swiglu if features.fused_ops else reference.swiglu)(*y.chunk(2, dim=-1))
+    return y
 
 
 def gather_then_sdpa(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
@@ -183,7 +196,7 @@ class Model(nn.Module):
         return normed
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        return project(hidden, self.lm_head, self.features).float()
 
     # --- weights -----------------------------------------------------------------------------------------------
     @torch.no_grad()

@@ -20,11 +20,12 @@ from lessonlib.ops.apply_rope import apply_rope  # noqa: E402
 from lessonlib.ops.argmax import argmax  # noqa: E402
 from lessonlib.ops.flash_attention import flash_attention  # noqa: E402
 from lessonlib.ops.gated_mlp import FusedGatedMLP  # noqa: E402
+from lessonlib.ops.gemv import gemv  # noqa: E402
 from lessonlib.ops.paged_attention import paged_attention  # noqa: E402
 from lessonlib.ops.paged_prefill_attention import paged_prefill_attention  # noqa: E402
 from lessonlib.ops.rope_store_kv import rope_store_kv  # noqa: E402
 from lessonlib.ops.store_kv import store_kv  # noqa: E402
 from lessonlib.ops.swiglu import swiglu  # noqa: E402
 
-__all__ = ["add_rms_norm", "apply_rope", "argmax", "flash_attention", "paged_attention", "paged_prefill_attention",
+__all__ = ["add_rms_norm", "apply_rope", "argmax", "flash_attention", "gemv", "paged_attention", "paged_prefill_attention",
            "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]

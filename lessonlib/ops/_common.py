@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
+from functools import lru_cache
+
 import torch
 import triton
 
 from lessonlib import runtime
+
+try:  # grid dependency control (programmatic dependent launch): Triton 3.4 and newer
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # an older Triton: pdl() is False, and kernels never reach these names
+    gdc_launch_dependents = gdc_wait = None
 
 
 def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
@@ -98,3 +106,17 @@ def refuse_gradient(op: str, why: str, **tensors: torch.Tensor) -> None:
             if getattr(t, "requires_grad", False):
                 raise RuntimeError(f"{op}: no gradient flows to {name} ({why}), but {name} requires grad; call it "
                                    f"under torch.no_grad() or torch.inference_mode(), or pass {name}.detach()")
+
+
+@lru_cache(maxsize=None)
+def pdl() -> bool:
+    """Whether kernels use programmatic dependent launch (PDL): on Hopper (sm_90) and newer, with a Triton that has
+    grid dependency control, unless ``LESSONLIB_PDL=0``. A kernel launched with ``launch_pdl=True`` may start
+    while the kernel before it is still running; it must call ``gdc_wait()`` before it reads anything that kernel
+    wrote (ops.gemv loads its weights first, then waits for x). A kernel calling ``gdc_launch_dependents()`` lets
+    such a successor start before it ends. Elsewhere (the interpreter, a T4, an emulated T4) the kernels take the
+    plain path: their ``PDL`` constexpr is False and the calls are compiled out."""
+    if gdc_wait is None or os.environ.get("LESSONLIB_PDL", "1").strip() == "0":
+        return False
+    profile = runtime.gpu_profile()
+    return profile is not None and runtime.mode() == "gpu" and profile.capability >= (9, 0)

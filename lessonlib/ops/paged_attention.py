@@ -26,7 +26,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, first_that_fits, launch, next_power_of_2, refuse_gradient
+from lessonlib.ops._common import (check_tensors, first_that_fits, gdc_launch_dependents, launch, next_power_of_2, pdl,
+                                   refuse_gradient)
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 REDUCE_WARPS = 4  # the reduce kernel: a (splits, D) float32 tile per program, shared memory only for its sums
@@ -127,7 +128,10 @@ def _paged_attention_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr = False,  # PDL (ops._common.pdl): the next kernel may start loading its weights
 ):
+    if LAUNCH_DEPENDENTS:
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
@@ -294,7 +298,7 @@ def paged_attention_forward(
     launch(
         _paged_attention_reduce_kernel, (batch * heads,),
         partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits), HEAD_DIM=head_dim,
-        PRECISE_EXP=precise, num_warps=REDUCE_WARPS,
+        PRECISE_EXP=precise, LAUNCH_DEPENDENTS=pdl(), num_warps=REDUCE_WARPS,
     )
     return out
 

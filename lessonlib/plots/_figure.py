@@ -22,6 +22,7 @@ IMPL_COLORS = {  # one colour per implementation, in every figure
     Impl.HF_STATIC: "#ff7f0e",
     Impl.ENGINE_GRAPHS: "#2ca02c",
     Impl.ENGINE_EAGER: "#d62728",
+    Impl.ENGINE_GRAPHS_CUBLAS: "#98df8a",  # the engine's light green: the same engine, cuBLAS for its projections
 }
 
 

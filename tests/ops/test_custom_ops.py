@@ -43,6 +43,8 @@ def test_opcheck_every_op(dtype):
         (lib.paged_attention, (decode_q, cache.k_cache, cache.v_cache, *tables, 32 ** -0.5, None, None, 4, None, True)),
         (lib.store_kv, (new_k, new_v, cache.k_cache.clone(), cache.v_cache.clone(), slots, True)),
         (lib.rope_store_kv, (qkv, new_cos, new_sin, cache.k_cache.clone(), cache.v_cache.clone(), slots, 4, 2, True)),
+        (lib.gemv, (x[:1], randn(20, 48, dtype=dtype), randn(20, dtype=dtype), None)),
+        (lib.gemv, (x[:1], randn(20, 48, dtype=dtype), None, "swiglu")),
     ]
     for op, args in cases:
         torch.library.opcheck(op, args)
@@ -74,7 +76,9 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
             decoded = ops.paged_attention(q_rot[:, :, -1], k_cache, v_cache, block_table, seq_lens, validate=False)
             q_new = ops.rope_store_kv(qkv, cos[-1:], sin[-1:], k_cache, v_cache, new_slot, num_heads=heads,
                                       num_kv_heads=kv_heads, validate=False)
-        return normed.sum() + residual.sum() + attn.square().sum() + act.sum() + decoded.sum() + q_new.sum()
+            projected = ops.gemv(normed[:1].detach(), x[:4].detach(), activation="swiglu")
+        return (normed.sum() + residual.sum() + attn.square().sum() + act.sum() + decoded.sum() + q_new.sum()
+                + projected.sum())
 
     shapes = [(tokens, hidden), (tokens, hidden), (hidden,), (tokens, 24), (tokens, 24), (1, heads, tokens, head_dim),
               (1, kv_heads, tokens, head_dim), (1, kv_heads, tokens, head_dim)]
