@@ -179,7 +179,8 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
         ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
         layers = list(enumerate(model.layers))
         k, v = runner.k_caches, runner.v_caches
-        logits = model.logits(x)
+        with torch.inference_mode():  # the engine's weights are parameters: its ops refuse autograd (no backward)
+            logits = model.logits(x)
         parts = {
             "attention": lambda: [layer.attention(x, cos, sin, ctx, k[i], v[i]) for i, layer in layers],
             "mlp": lambda: [layer.mlp(x) for _, layer in layers],

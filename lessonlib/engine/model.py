@@ -181,6 +181,7 @@ class Model(nn.Module):
                                           config.rope_theta, dtype=dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+        self.requires_grad_(False)  # a serving model: no autograd graph, and the inference-only ops accept its weights
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: StepContext,
                 k_caches: torch.Tensor, v_caches: torch.Tensor) -> torch.Tensor:

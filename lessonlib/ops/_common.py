@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import torch
 import triton
+import triton.language as tl
 
 from lessonlib import runtime
 
@@ -120,3 +121,20 @@ def pdl() -> bool:
         return False
     profile = runtime.gpu_profile()
     return profile is not None and runtime.mode() == "gpu" and profile.capability >= (9, 0)
+
+
+def pdl_options() -> dict:
+    """What a launcher adds to a launch of a kernel that calls :func:`pdl_wait` first: ``PDL=True`` and
+    ``launch_pdl=True`` where :func:`pdl` holds, nothing elsewhere (the kernel's ``PDL`` constexpr defaults to
+    False)."""
+    return {"PDL": True, "launch_pdl": True} if pdl() else {}
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """First thing in a kernel launched with ``pdl_options()``: wait until the previous kernel has ended and its
+    writes are visible, then let the next kernel start its launch. The kernel itself reads and writes nothing before
+    this, so it behaves as a plain launch would; only its launch overlaps the previous kernel's end."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()

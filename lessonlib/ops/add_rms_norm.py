@@ -26,7 +26,7 @@ import triton.language as tl
 import triton
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, gdc_launch_dependents, launch, next_power_of_2, pdl, tuned
+from lessonlib.ops._common import check_tensors, launch, next_power_of_2, pdl_options, pdl_wait, tuned
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
 # updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
@@ -76,10 +76,9 @@ def _add_rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
-    LAUNCH_DEPENDENTS: tl.constexpr = False,  # PDL (ops._common.pdl): the next kernel may start loading its weights
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * stride_x_row
     residual_ptr += row * stride_residual_row
@@ -247,7 +246,7 @@ def _forward(x, residual, weight, eps, override):
     kernel = launch(
         _add_rms_norm_kernel, (x2d.shape[0],),
         x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps),
-        LAUNCH_DEPENDENTS=pdl(), **meta,
+        **meta, **pdl_options(),
     )
     return out, residual_out, kernel
 

@@ -19,15 +19,18 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch
+from lessonlib.ops._common import check_tensors, launch, pdl_options, pdl_wait
 
 BLOCK = 1024  # elements a program reads per step of its chunk
 PROGRAMS_PER_SM = 2
 
 
 @triton.jit
-def _argmax_chunk_kernel(x_ptr, values_ptr, indices_ptr, n_cols, stride_xrow, chunk, BLOCK: tl.constexpr):
-    """Program (row, c): the largest value of columns [c * chunk, (c + 1) * chunk) of one row and its first index."""
+def _argmax_chunk_kernel(x_ptr, values_ptr, indices_ptr, n_cols, stride_xrow, chunk, BLOCK: tl.constexpr,
+                         PDL: tl.constexpr = False):
+    """Program (row, c): the largest value of columns [c * chunk, (c + 1) * chunk) of one row and its first index.
+    PDL: launched with programmatic dependent launch (ops._common.pdl_options)."""
+    pdl_wait(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk
@@ -72,7 +75,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     indices = torch.empty(rows, chunks, dtype=torch.int64, device=x.device)
     if rows:
         launch(_argmax_chunk_kernel, (rows, chunks), x, values, indices, n_cols, x.stride(0), chunk, BLOCK=BLOCK,
-               num_warps=4)
+               num_warps=4, **pdl_options())
     if chunks == 1:
         return indices[:, 0]
     return indices.gather(1, values.argmax(dim=1, keepdim=True))[:, 0]

@@ -33,8 +33,8 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wait, launch, next_power_of_2, pdl,
-                                   refuse_gradient)
+from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wait, launch, next_power_of_2,
+                                   pdl_options, refuse_gradient)
 
 ACTIVATIONS = (None, "swiglu")
 
@@ -54,7 +54,7 @@ def _gemv_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no mask along K
-    PDL: tl.constexpr,  # launched with launch_pdl: load weights, then wait for the previous kernel
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch: load weights, then wait for x
 ):
     """Program (n, m): columns [n * BLOCK_N, (n + 1) * BLOCK_N) of output row m."""
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -62,12 +62,12 @@ def _gemv_kernel(
     ks = tl.arange(0, BLOCK_K)
     col_ok = cols < N_OUT
     w_rows = w_ptr + cols[:, None].to(tl.int64) * stride_wn + ks[None, :]
-    up_offset = N_OUT.to(tl.int64) * stride_wn
+    w_up_rows = w_ptr + (cols[:, None] + N_OUT).to(tl.int64) * stride_wn + ks[None, :]  # SWIGLU: the up rows
     w_mask = col_ok[:, None] if EVEN_K else col_ok[:, None] & (ks[None, :] < K)
     # The first tile of weights (and the bias) depend on nothing the previous kernel writes: load them first.
     w = tl.load(w_rows, mask=w_mask, other=0.0)
     if SWIGLU:
-        w_up = tl.load(w_rows + up_offset, mask=w_mask, other=0.0)
+        w_up = tl.load(w_up_rows, mask=w_mask, other=0.0)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         if SWIGLU:
@@ -93,7 +93,7 @@ def _gemv_kernel(
         w = tl.load(w_rows + k0, mask=tile_mask, other=0.0)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         if SWIGLU:
-            w_up = tl.load(w_rows + up_offset + k0, mask=tile_mask, other=0.0)
+            w_up = tl.load(w_up_rows + k0, mask=tile_mask, other=0.0)
             acc_up += tl.sum(w_up.to(tl.float32) * x[None, :], axis=1)
     if HAS_BIAS:
         acc += bias
@@ -144,11 +144,9 @@ def gemv_forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if y.numel() == 0:
         return y
     meta = config(n_out, k, swiglu)
-    use_pdl = pdl()
     launch(_gemv_kernel, (triton.cdiv(n_out, meta["BLOCK_N"]), m),
            x, weight, bias if bias is not None else weight, y, n_out, k, x.stride(0), weight.stride(0),
-           HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % meta["BLOCK_K"] == 0, PDL=use_pdl, **meta,
-           **({"launch_pdl": True} if use_pdl else {}))
+           HAS_BIAS=bias is not None, SWIGLU=swiglu, EVEN_K=k % meta["BLOCK_K"] == 0, **meta, **pdl_options())
     return y
 
 

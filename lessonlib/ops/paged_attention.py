@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lessonlib import runtime
-from lessonlib.ops._common import (check_tensors, first_that_fits, gdc_launch_dependents, launch, next_power_of_2, pdl,
+from lessonlib.ops._common import (check_tensors, first_that_fits, launch, next_power_of_2, pdl_options, pdl_wait,
                                    refuse_gradient)
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -78,7 +78,9 @@ def _paged_attention_split_kernel(
     HEAD_DIM: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,  # "ieee" for float32 inputs (no tf32 rounding), else the default
     PRECISE_EXP: tl.constexpr,  # float32 inputs on the GPU: precise exp (see _exp)
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
+    pdl_wait(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -128,10 +130,9 @@ def _paged_attention_reduce_kernel(
     BLOCK_S: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PRECISE_EXP: tl.constexpr,
-    LAUNCH_DEPENDENTS: tl.constexpr = False,  # PDL (ops._common.pdl): the next kernel may start loading its weights
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
-    if LAUNCH_DEPENDENTS:
-        gdc_launch_dependents()
+    pdl_wait(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)
@@ -293,12 +294,12 @@ def paged_attention_forward(
         PAGES_PER_STEP=blocks_per_step or config["PAGES_PER_STEP"], HEAD_DIM=head_dim,
         INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise,
         num_warps=num_warps or config["num_warps"],
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        **({} if num_stages is None else {"num_stages": num_stages}), **pdl_options(),
     )
     launch(
         _paged_attention_reduce_kernel, (batch * heads,),
         partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits), HEAD_DIM=head_dim,
-        PRECISE_EXP=precise, LAUNCH_DEPENDENTS=pdl(), num_warps=REDUCE_WARPS,
+        PRECISE_EXP=precise, num_warps=REDUCE_WARPS, **pdl_options(),
     )
     return out
 

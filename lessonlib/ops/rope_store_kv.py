@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lessonlib.ops._common import check_tensors, launch, refuse_gradient
+from lessonlib.ops._common import check_tensors, launch, pdl_options, pdl_wait, refuse_gradient
 from lessonlib.ops.apply_rope import apply_rope
 from lessonlib.ops.apply_rope import _rotate_heads  # the same rotation code: the same bits as apply_rope
 from lessonlib.ops.apply_rope import config as rope_config
@@ -46,6 +46,7 @@ def _rope_store_kv_kernel(
     n_q_heads, n_kv_heads, half,  # half = D // 2
     BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_D: tl.constexpr,  # apply_rope's tiles
     BLOCK_V: tl.constexpr,  # store_kv's BLOCK: elements of v's row copied per step
+    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
     # One program per token: it reads the token's cos/sin row and slot once for all its heads. A token moves
     # (2 H + 4 Hkv) D + 2 D elements, 24.5 KB at H=32, Hkv=8, D=128 in 16 bits: at decode (T <= 64) a call moves
@@ -54,6 +55,7 @@ def _rope_store_kv_kernel(
     # run q's, k's and v's phases side by side at T = 1 but reload cos/sin and the slot in each: the next version
     # to try if the benchmark's decode rows (graph_us against the copy of the same bytes) show it. At prefill
     # (T = 4096) the tokens alone fill the GPU.
+    pdl_wait(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     head_dim = 2 * half
@@ -127,7 +129,7 @@ def rope_store_kv_forward(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
         return q_out
     launch(_rope_store_kv_kernel, (tokens,), qkv, cos, sin, slots, q_out, k_cache, v_cache,
            qkv.stride(0), cos.stride(0), sin.stride(0), num_heads, num_kv_heads, head_dim // 2,
-           **config(num_heads, num_kv_heads, head_dim))
+           **config(num_heads, num_kv_heads, head_dim), **pdl_options())
     return q_out
 
 
