@@ -358,3 +358,31 @@ def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
     views = inputs.fill([b], rows=2)  # a smaller batch next: its padding row no longer holds b's
     assert views["input_ids"].tolist() == [7, 0] and views["seq_lens"].tolist() == [3, 1]
     assert views["block_table"][:, :2].tolist() == [[4, 9], [9, 9]]
+
+
+def test_the_live_ladder_accepts_a_16_bit_near_tie_and_refuses_a_wrong_token():
+    """Lesson 07's live ladder on the H200 (bf16) found it: one rung gave the float64-better of two tokens 0.098
+    apart, transformers in bf16 the other (its own bf16 error there: 0.31). In 16 bits such a split is reported as
+    a near-tie; a token whose float64 logit is far below is still a wrong answer. In float32 any split raises."""
+    from lessonlib.engine.features import PLAIN_PYTORCH
+    from lessonlib.engine.ladder import RungRun
+    from lessonlib.engine.lesson import _NearTieJudge, show_live_ladder
+
+    path = tiny_model.build()
+    prompt = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "
+              "square of the sequence length, so a paged KV cache")
+    judge = _NearTieJudge(path, [prompt], torch.bfloat16)
+    truth = judge.truth(torch.tensor([judge.tokenizer(prompt).input_ids])).logits[0, -1].double()
+    best, second = truth.topk(2).indices.tolist()
+    worst = truth.argmin().item()
+
+    def run(token):
+        return RungRun("+ fused ops", PLAIN_PYTORCH, [[token, 5]], 1.0, 1, 1, 0, 0)
+
+    gap, allowed = judge(0, [], best, second)
+    assert gap < allowed  # the near-tie this prompt has (float64 gap 0.098 here, against a bf16 allowance of ~0.6)
+    show_live_ladder([run(best)], [[second, 5]], model_path=path, prompts=[prompt], dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="float64 logit gap"):
+        show_live_ladder([run(worst)], [[second, 5]], model_path=path, prompts=[prompt], dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match="request 0's tokens"):
+        show_live_ladder([run(best)], [[second, 5]])  # float32: no near-tie excuse
