@@ -3,9 +3,10 @@ serving engine's projections at batch 1.
 
 Why a kernel: at batch 1 a decode step multiplies one row by each weight matrix, two FLOPs per weight read once,
 so its time is the weight read. Lesson 07's step reads 2.47 GB of weights through 65 such products (four per layer
-and the output head) in about 1.1 ms on the H200, not the 0.58 ms the bytes allow. Each product pays a fixed few
-microseconds: the next kernel starts only after the previous one has ended and flushed its writes, and its first
-weight bytes arrive a DRAM latency after that. cuBLAS reads an 8 MB matrix at about 0.9 TB/s this way.
+and the output head): 0.58 ms at the H200's copy bandwidth, but 1.12 ms of GPU time with cuBLAS (benchmarks/NOTES.md,
+session 7). Each product pays a fixed few microseconds: the next kernel starts only after the previous one has ended
+and flushed its writes, and its first weight bytes arrive a DRAM latency after that. cuBLAS reads an 8 MB matrix at
+about 0.9 TB/s this way.
 
 Two things here:
 - **SwiGLU in the epilogue.** ``activation="swiglu"``: the weight holds gate rows then up rows (the engine's fused
@@ -16,7 +17,8 @@ Two things here:
   on that kernel: each program loads its first weight tile, then waits (``gdc_wait``) for x. The weight read of one
   product overlaps the end of the previous kernel. Measured on the H200, 16 layers' four products as one CUDA
   graph: cuBLAS + swiglu 735 us, this kernel without PDL 668 us, with PDL 555 us
-  (``benchmarks/experiments/decode_layer_pdl.py``).
+  (``benchmarks/experiments/decode_layer_pdl.py``, its output in ``benchmarks/experiments/results``). Without PDL
+  (a T4, an L4, an A100) the same kernel runs, waiting for nothing.
 
 Each program owns ``BLOCK_N`` output columns and one row of x, and walks the whole of K. So each row of x reads
 the weights again: for one token (or a few), not for a batch, where cuBLAS's tiles read each weight once for all
