@@ -275,13 +275,15 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
         out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
                         (dtype, f32, torch.int64, 128256, 128256, 4096), config, config=config))
-        # gemv: Llama-3.2-1B's qkv projection (with a bias, as Qwen2's) and gate_up with SwiGLU; PDL from sm_90.
-        pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) else {"PDL": False}
-        for n, swiglu in ((3072, False), (16384, True)):
-            config = gv.config(n // 2 if swiglu else n, 2048, swiglu)
-            out.append(Case("gemv", gv._gemv_kernel, f"N={n} K=2048{' swiglu' if swiglu else ''}", dtype,
-                            (dtype, dtype, dtype, dtype, n // 2 if swiglu else n, 2048, 2048, 2048),
-                            dict(HAS_BIAS=not swiglu, SWIGLU=swiglu, EVEN_K=True, **pdl, **config), config=config))
+    # gemv: Llama-3.2-1B's qkv projection (with a bias, as Qwen2's) and gate_up with SwiGLU, the 16-bit dtypes taking
+    # turns (no shared memory: the tiles live in registers); PDL from sm_90.
+    pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) else {"PDL": False}
+    for i, (n, swiglu) in enumerate(((3072, False), (16384, True))):
+        dtype = half[i % len(half)]
+        config = gv.config(n // 2 if swiglu else n, 2048, swiglu)
+        out.append(Case("gemv", gv._gemv_kernel, f"N={n} K=2048{' swiglu' if swiglu else ''}", dtype,
+                        (dtype, dtype, dtype, dtype, n // 2 if swiglu else n, 2048, 2048, 2048),
+                        dict(HAS_BIAS=not swiglu, SWIGLU=swiglu, EVEN_K=True, **pdl, **config), config=config))
     return out
 
 
