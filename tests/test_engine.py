@@ -331,15 +331,16 @@ def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
     from lessonlib.engine.ladder import run_ladder
 
     # The GPU rungs, "+ CUDA graphs" included, and gather-then-SDPA decode replayed from graphs (not a rung: it
-    # checks that path captures, with the whole block table and padding rows). The tiny model's wide logit gaps keep
-    # 16-bit greedy tokens identical across the kernels (section 2 of lesson 07 checks them against transformers).
+    # checks that path captures, with the whole block table and padding rows). In 16 bits each rung sums in its own
+    # order, so a rung may part from the top rung at a near-tie (measured in float64, as lesson 07's live ladder does);
+    # anything wider, or a block left in use, raises.
+    from lessonlib.engine.lesson import show_live_ladder
+
     prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5)]
     rungs = [*ladder(), ("gather then SDPA, CUDA graphs", Features(paged_decode=False))]
     runs = run_ladder(str(path), prompts, params, rungs=rungs, dtype=DTYPE, max_num_seqs=4, max_model_len=256)
-    top = runs[-2].tokens  # everything on
-    for run in runs:
-        assert run.tokens == top and run.blocks_in_use == 0, run.label
+    show_live_ladder(runs, runs[-2].tokens, model_path=path, prompts=prompts, dtype=DTYPE)  # against everything on
 
 
 def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
@@ -372,7 +373,9 @@ def test_the_live_ladder_accepts_a_16_bit_near_tie_and_refuses_a_wrong_token():
     prompt = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "
               "square of the sequence length, so a paged KV cache")
     judge = _NearTieJudge(path, [prompt], torch.bfloat16)
-    truth = judge.truth(torch.tensor([judge.tokenizer(prompt).input_ids])).logits[0, -1].double()
+    with torch.inference_mode():
+        ids = torch.tensor([judge.tokenizer(prompt).input_ids], device=judge.truth.device)
+        truth = judge.truth(ids).logits[0, -1].double()
     best, second = truth.topk(2).indices.tolist()
     worst = truth.argmin().item()
 
@@ -382,7 +385,7 @@ def test_the_live_ladder_accepts_a_16_bit_near_tie_and_refuses_a_wrong_token():
     gap, allowed = judge(0, [], best, second)
     assert gap < allowed  # the near-tie this prompt has (float64 gap 0.098 here, against a bf16 allowance of ~0.6)
     show_live_ladder([run(best)], [[second, 5]], model_path=path, prompts=[prompt], dtype=torch.bfloat16)
-    with pytest.raises(AssertionError, match="float64 logit gap"):
+    with pytest.raises(AssertionError, match="request 0's tokens"):
         show_live_ladder([run(worst)], [[second, 5]], model_path=path, prompts=[prompt], dtype=torch.bfloat16)
     with pytest.raises(AssertionError, match="request 0's tokens"):
         show_live_ladder([run(best)], [[second, 5]])  # float32: no near-tie excuse

@@ -158,10 +158,12 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       row too (D=256 in float32 spills 16 KB and takes minutes to compile: ``thorough=True`` adds it); its reduce
       kernel at the most splits num_splits_for can pick on this GPU (the largest tile).
     - swiglu, add_rms_norm (one pass at its widest row, and two passes), apply_rope, store_kv, rope_store_kv and
-      argmax, gemv (with PDL from sm_90): one configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds);
+      argmax: one configuration each on every GPU, at their largest blocks, in every dtype (they compile in seconds);
       the backward kernels of swiglu and add_rms_norm and apply_rope's inverse rotation with their forward's
       configuration.
     - paged_prefill_attention at D=128 in every dtype.
+    - gemv: the qkv projection (with a bias) and gate_up with SwiGLU, the 16-bit dtypes taking turns.
+    - On sm_90 and newer, add_rms_norm, argmax and gemv with programmatic dependent launch, as launched there.
     ``thorough=True`` compiles every dtype for every case instead.
     """
     import lessonlib.ops  # noqa: F401  (defines the kernels, in the mode already chosen)
@@ -177,8 +179,11 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     am = _sys.modules["lessonlib.ops.argmax"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
     gv = _sys.modules["lessonlib.ops.gemv"]
+    from lessonlib.ops._common import gdc_wait
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
+    # Programmatic dependent launch, as the launchers use it on sm_90 and newer (where this Triton has it).
+    pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) and gdc_wait is not None else {}
     f32 = torch.float32
     all_dtypes = dtypes_for(profile)
     half = tuple(d for d in all_dtypes if d.itemsize == 2)
@@ -254,7 +259,8 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         for n_cols in (rn.MAX_ONE_PASS_COLS, 2 * rn.MAX_ONE_PASS_COLS):
             config = rn.config(n_cols, given)
             out.append(Case("add_rms_norm", rn._add_rms_norm_kernel, f"H={n_cols}", dtype,
-                            (dtype, dtype, dtype, dtype, dtype, n_cols, n_cols, n_cols, 1e-6), config, config=config))
+                            (dtype, dtype, dtype, dtype, dtype, n_cols, n_cols, n_cols, 1e-6), {**config, **pdl},
+                            config=config))
             out.append(Case("add_rms_norm", rn._add_rms_norm_backward_kernel, f"H={n_cols} backward", dtype,
                             (dtype, dtype, dtype, dtype, dtype, f32, 8192, n_cols, 32, n_cols, n_cols, 1e-6), config,
                             config=config))
@@ -274,10 +280,9 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                         config, config=config))
         config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
         out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
-                        (dtype, f32, torch.int64, 128256, 128256, 4096), config, config=config))
+                        (dtype, f32, torch.int64, 128256, 128256, 4096), {**config, **pdl}, config=config))
     # gemv: Llama-3.2-1B's qkv projection (with a bias, as Qwen2's) and gate_up with SwiGLU, the 16-bit dtypes taking
     # turns (no shared memory: the tiles live in registers); PDL from sm_90.
-    pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) else {"PDL": False}
     for i, (n, swiglu) in enumerate(((3072, False), (16384, True))):
         dtype = half[i % len(half)]
         config = gv.config(n // 2 if swiglu else n, 2048, swiglu)

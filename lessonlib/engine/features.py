@@ -1,5 +1,6 @@
 """The engine's speed-ups, one switch each (lesson 07's tokens/s ladder). Everything on is the engine's default;
-a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens.
+a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
+(in 16 bits each sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
                          in lessonlib.reference (RoPE and the K/V write by tensor indexing, silu(gate) * up)

@@ -113,10 +113,13 @@ def refuse_gradient(op: str, why: str, **tensors: torch.Tensor) -> None:
 def pdl() -> bool:
     """Whether kernels use programmatic dependent launch (PDL): on Hopper (sm_90) and newer, with a Triton that has
     grid dependency control, unless ``LESSONLIB_PDL=0``. A kernel launched with ``launch_pdl=True`` may start
-    while the kernel before it is still running; it must call ``gdc_wait()`` before it reads anything that kernel
-    wrote (ops.gemv loads its weights first, then waits for x). A kernel calling ``gdc_launch_dependents()`` lets
-    such a successor start before it ends. Elsewhere (the interpreter, a T4, an emulated T4) the kernels take the
-    plain path: their ``PDL`` constexpr is False and the calls are compiled out."""
+    once every program of the kernel before it has called ``gdc_launch_dependents()`` (or ended). ``gdc_wait()``
+    returns when that kernel has ended and its writes are visible, and it ended only after its own wait: so after
+    the wait every earlier kernel has ended. The rule for such a kernel: before ``gdc_wait()`` read nothing an earlier
+    kernel may write, and write nothing an earlier kernel may read. ops.gemv loads only its weights and bias before
+    its wait (nothing in a decode step writes them); every other kernel waits first
+    (:func:`pdl_wait_then_trigger`). Elsewhere (the interpreter, a T4, an emulated T4) the kernels take the plain
+    path: their ``PDL`` constexpr is False and the calls are compiled out."""
     if gdc_wait is None or os.environ.get("LESSONLIB_PDL", "1").strip() == "0":
         return False
     profile = runtime.gpu_profile()
@@ -124,16 +127,16 @@ def pdl() -> bool:
 
 
 def pdl_options() -> dict:
-    """What a launcher adds to a launch of a kernel that calls :func:`pdl_wait` first: ``PDL=True`` and
+    """What a launcher adds to a launch of a kernel that calls :func:`pdl_wait_then_trigger` first: ``PDL=True`` and
     ``launch_pdl=True`` where :func:`pdl` holds, nothing elsewhere (the kernel's ``PDL`` constexpr defaults to
     False)."""
     return {"PDL": True, "launch_pdl": True} if pdl() else {}
 
 
 @triton.jit
-def pdl_wait(PDL: tl.constexpr):
+def pdl_wait_then_trigger(PDL: tl.constexpr):
     """First thing in a kernel launched with ``pdl_options()``: wait until the previous kernel has ended and its
-    writes are visible, then let the next kernel start its launch. The kernel itself reads and writes nothing before
+    writes are visible (``gdc_wait``), then let the next kernel start its launch (``gdc_launch_dependents``). The kernel itself reads and writes nothing before
     this, so it behaves as a plain launch would; only its launch overlaps the previous kernel's end."""
     if PDL:
         gdc_wait()

@@ -26,7 +26,8 @@ import triton.language as tl
 import triton
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2, pdl_options, pdl_wait, tuned
+from lessonlib.ops._common import (check_tensors, launch, next_power_of_2, pdl_options, pdl_wait_then_trigger,
+                                   tuned)
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
 # updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
@@ -78,7 +79,7 @@ def _add_rms_norm_kernel(
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
-    pdl_wait(PDL)
+    pdl_wait_then_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
     x_ptr += row * stride_x_row
     residual_ptr += row * stride_residual_row

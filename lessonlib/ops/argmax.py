@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import check_tensors, launch, pdl_options, pdl_wait
+from lessonlib.ops._common import check_tensors, launch, pdl_options, pdl_wait_then_trigger
 
 BLOCK = 1024  # elements a program reads per step of its chunk
 PROGRAMS_PER_SM = 2
@@ -30,7 +30,7 @@ def _argmax_chunk_kernel(x_ptr, values_ptr, indices_ptr, n_cols, stride_xrow, ch
                          PDL: tl.constexpr = False):
     """Program (row, c): the largest value of columns [c * chunk, (c + 1) * chunk) of one row and its first index.
     PDL: launched with programmatic dependent launch (ops._common.pdl_options)."""
-    pdl_wait(PDL)
+    pdl_wait_then_trigger(PDL)
     row = tl.program_id(0)
     c = tl.program_id(1)
     start = c * chunk

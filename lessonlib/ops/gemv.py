@@ -39,6 +39,7 @@ from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wai
                                    pdl_options, refuse_gradient)
 
 ACTIVATIONS = (None, "swiglu")
+MAX_ROWS = 65535  # the CUDA grid's limit on its second axis, one program row per row of x
 
 
 @triton.jit
@@ -130,6 +131,9 @@ def _check(x, weight, bias, activation):
         raise ValueError("gemv: K must be at least 1")
     if activation == "swiglu" and weight.shape[0] % 2:
         raise ValueError(f"gemv: activation='swiglu' needs gate rows then up rows (an even N), got N={weight.shape[0]}")
+    if x.shape[0] > MAX_ROWS:
+        raise ValueError(f"gemv: x has {x.shape[0]} rows, at most {MAX_ROWS} (one per program on the grid's second "
+                         "axis); gemv is for a few tokens: use F.linear for a batch")
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"gemv: bias must be (N,) = ({weight.shape[0]},), got {tuple(bias.shape)}")
 
@@ -176,7 +180,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     x: (M, K); weight: (N, K) as ``nn.Linear`` stores it; bias: (N,) or None; last dimensions contiguous; float32,
     float16 or bfloat16 (where the GPU has it). ``activation="swiglu"``: weight holds N/2 gate rows then N/2 up
     rows; returns ``silu(x @ gate.T) * (x @ up.T)``, (M, N/2). Otherwise returns (M, N). Each row of x reads the
-    whole weight: meant for M = 1 (a decode step at batch 1). No host sync: CUDA-graph safe. No backward.
+    whole weight: meant for M = 1 (a decode step at batch 1); M at most 65,535. No host sync: CUDA-graph safe. No
+    backward. With programmatic dependent launch (Hopper) the weight and bias are read before the previous kernel
+    has ended: they must not be written by the kernels just before the call (a model's weights never are).
     """
     refuse_gradient("gemv", "it has no backward: an inference kernel for decode at batch 1",
                     x=x, weight=weight, **({"bias": bias} if bias is not None else {}))

@@ -26,8 +26,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from lessonlib import runtime
-from lessonlib.ops._common import (check_tensors, first_that_fits, launch, next_power_of_2, pdl_options, pdl_wait,
-                                   refuse_gradient)
+from lessonlib.ops._common import (check_tensors, first_that_fits, launch, next_power_of_2, pdl_options,
+                                   pdl_wait_then_trigger, refuse_gradient)
 
 HEAD_DIMS = (16, 32, 64, 128, 256)
 REDUCE_WARPS = 4  # the reduce kernel: a (splits, D) float32 tile per program, shared memory only for its sums
@@ -80,7 +80,7 @@ def _paged_attention_split_kernel(
     PRECISE_EXP: tl.constexpr,  # float32 inputs on the GPU: precise exp (see _exp)
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
-    pdl_wait(PDL)
+    pdl_wait_then_trigger(PDL)
     b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -132,7 +132,7 @@ def _paged_attention_reduce_kernel(
     PRECISE_EXP: tl.constexpr,
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
 ):
-    pdl_wait(PDL)
+    pdl_wait_then_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)  # b * H + h
     s = tl.arange(0, BLOCK_S)
     d = tl.arange(0, HEAD_DIM)

@@ -25,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lessonlib.ops._common import check_tensors, launch, pdl_options, pdl_wait, refuse_gradient
+from lessonlib.ops._common import (check_tensors, launch, pdl_options, pdl_wait_then_trigger,
+                                   refuse_gradient)
 from lessonlib.ops.apply_rope import apply_rope
 from lessonlib.ops.apply_rope import _rotate_heads  # the same rotation code: the same bits as apply_rope
 from lessonlib.ops.apply_rope import config as rope_config
@@ -55,7 +56,7 @@ def _rope_store_kv_kernel(
     # run q's, k's and v's phases side by side at T = 1 but reload cos/sin and the slot in each: the next version
     # to try if the benchmark's decode rows (graph_us against the copy of the same bytes) show it. At prefill
     # (T = 4096) the tokens alone fill the GPU.
-    pdl_wait(PDL)
+    pdl_wait_then_trigger(PDL)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + token).to(tl.int64)
     head_dim = 2 * half
