@@ -37,13 +37,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from lessonlib import bench, ops, runtime  # noqa: E402
-from lessonlib.ops._common import pdl  # noqa: E402
 from lessonlib.engine import LLM, Features, ModelConfig, SamplingParams  # noqa: E402
 from lessonlib.engine.ladder import run_ladder  # noqa: E402
 from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
+from lessonlib.ops._common import pdl  # noqa: E402
 from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+from lessonlib.serving.greedy_parity import first_difference  # noqa: E402
 from lessonlib.testing import tolerance  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
@@ -140,11 +141,12 @@ def check_logits(llm: LLM, truth_model, low_model, prompts, steps: int) -> dict:
 
 
 def first_divergence(ours, theirs, prompts, truth_model, allowed: float) -> dict:
-    """Where the engine's greedy tokens first differ from transformers' (per prompt), and whether that is a
-    near-tie: the float64 logits of the two candidate tokens closer than the logits tolerance."""
+    """Where the engine's greedy tokens first differ from transformers' (per prompt; both run to the same length),
+    and whether that is a near-tie: the float64 logits of the two candidate tokens closer than the logits
+    tolerance."""
     report = {"identical": 0, "diverged": []}
     for prompt, a, b in zip(prompts, ours, theirs):
-        i = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        i = first_difference(a, b)
         if i is None:
             report["identical"] += 1
             continue
@@ -281,6 +283,12 @@ def check_engines(engines, path, low_model, check_prompts, new_tokens) -> dict:
     return checks
 
 
+def timed_at(name: str, batch: int) -> bool:
+    """Whether a peer runs at this batch: the cuBLAS-projections engine is ENGINE_GRAPHS itself past batch 1 (gemv
+    serves a lone token only)."""
+    return name != Impl.ENGINE_GRAPHS_CUBLAS or batch == 1
+
+
 def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tokens, started):
     """tokens/s of every peer at each batch size, then the engines' own decode-step times from their step logs."""
     peers = {Impl.HF_DYNAMIC: lambda p: hf_generate(low_model, p, new_tokens)}
@@ -291,8 +299,8 @@ def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tok
     for batch in batches:
         shape = {"batch": batch, "prompt": prompt_len, "new_tokens": new_tokens}
         for name, generate in peers.items():
-            if name == Impl.ENGINE_GRAPHS_CUBLAS and batch != 1:
-                continue  # the same engine as ENGINE_GRAPHS past batch 1 (gemv serves a lone token only)
+            if not timed_at(name, batch):
+                continue
             warm_start = time.perf_counter()
             try:
                 generate(prompts(batch))  # compiles at this shape
@@ -308,7 +316,7 @@ def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tok
                     elapsed_s=round(time.perf_counter() - started, 1))
         # The engine's own step log of the timed run: decode steps' mean wall time.
         for name, llm in engines.items():
-            if name == Impl.ENGINE_GRAPHS_CUBLAS and batch != 1:
+            if not timed_at(name, batch):
                 continue
             decode = [s.seconds for s in llm.steps if s.kind == "decode"]
             prefill = [s.seconds for s in llm.steps if s.kind == "prefill"]

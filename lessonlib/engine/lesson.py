@@ -180,9 +180,12 @@ def show_live_ladder(runs, expected: list[list[int]], *, model_path=None, prompt
     ``model_path`` and the text ``prompts``) a rung may part from it at a **near-tie**: where the two first part,
     the float64 logits of their two tokens must differ by no more than the 16-bit rounding allows there
     (:func:`lessonlib.testing.tolerance`, from transformers' own 16-bit error at that position), and one of them must
-    be within that of the float64 best. Each summation order
-    rounds differently, and random-ish weights give close calls; any wider gap is a wrong token and raises."""
-    judge = _NearTieJudge(model_path, prompts, dtype) if dtype in (torch.float16, torch.bfloat16) else None
+    be within that of the float64 best. Each summation order rounds differently, and random-ish weights give close
+    calls; any wider gap is a wrong token and raises. transformers' models are loaded only if some rung parts."""
+    sixteen_bits = dtype in (torch.float16, torch.bfloat16)
+    if sixteen_bits and (model_path is None or prompts is None):
+        raise ValueError("show_live_ladder: in 16 bits it needs model_path and prompts to judge near-ties")
+    judge = None
     print(f"{'rung':28s} {'tokens':>6s} {'seconds':>8s} {'decode steps':>12s}  same tokens as transformers")
     for run in runs:
         if len(run.tokens) != len(expected):
@@ -192,13 +195,14 @@ def show_live_ladder(runs, expected: list[list[int]], *, model_path=None, prompt
             at = first_difference(got, want)
             if at is None:
                 continue
-            gap = allowed = None
-            if judge is not None and at < min(len(got), len(want)):  # the same length, a different token at `at`
-                gap, allowed = judge(i, want[:at], got[at], want[at])
-            if gap is None or gap > allowed:
-                raise AssertionError(f"rung {run.label!r}: request {i}'s tokens {got} against {want}"
-                                     + (f": a float64 logit gap of {gap:.3g} at token {at}, more than the {allowed:.3g} "
-                                        "16-bit rounding allows" if gap is not None else ""))
+            differs = f"rung {run.label!r}: request {i}'s tokens {got} against {want}"
+            if not sixteen_bits or at >= min(len(got), len(want)):  # float32, or a different length: no near-tie
+                raise AssertionError(differs)
+            judge = judge or _NearTieJudge(model_path, prompts, dtype)
+            gap, allowed = judge(i, want[:at], got[at], want[at])
+            if gap > allowed:
+                raise AssertionError(f"{differs}: a float64 logit gap of {gap:.3g} at token {at}, more than the "
+                                     f"{allowed:.3g} 16-bit rounding allows")
             notes.append(f"request {i} parts at token {at}, a near-tie (gap {gap:.3f} <= {allowed:.3f})")
         print(f"{run.label:28s} {run.output_tokens:6d} {run.seconds:8.2f} {run.decode_steps:12d}  "
               f"{'yes' if not notes else '; '.join(notes)}")
@@ -212,8 +216,6 @@ class _NearTieJudge:
     def __init__(self, model_path, prompts, dtype):
         from lessonlib.serving.greedy_parity import _hf_model
 
-        if model_path is None or prompts is None:
-            raise ValueError("show_live_ladder: in 16 bits it needs model_path and prompts to judge near-ties")
         self.tokenizer, self.truth = _hf_model(str(model_path), torch.float64)
         self.low = _hf_model(str(model_path), dtype)[1]
         self.prompts, self.dtype = prompts, dtype

@@ -11,8 +11,8 @@ sequence in a decode step. Per layer::
 GEMMs are cuBLAS (torch), except for a lone token (a decode step at batch 1): there each projection is one
 ``ops.gemv`` (gate_up's with SwiGLU in its epilogue, so no swiglu launch; see :func:`project`). Everything between
 them is one lessonlib kernel, or, with a :class:`Features` switch off, the plain-PyTorch way (lesson 07's tokens/s
-ladder). ``lessonlib.decoder.DecoderLayer`` is
-lesson 05's single layer, decode only; this one serves both phases and many sequences of different lengths.
+ladder). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one serves both phases and
+many sequences of different lengths.
 The three parts of a layer are separate methods (:meth:`DecoderLayer.attention`, :meth:`DecoderLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
 """
@@ -121,7 +121,8 @@ class DecoderLayer(nn.Module):
         return out.transpose(1, 2).reshape(count * length, q.shape[1], q.shape[2])
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return project(project(x, self.gate_up_proj, self.features, activation="swiglu"), self.down_proj, self.features)
+        act = project(x, self.gate_up_proj, self.features, activation="swiglu")
+        return project(act, self.down_proj, self.features)
 
     def forward(self, hidden, residual, cos, sin, ctx, k_cache, v_cache):
         norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm

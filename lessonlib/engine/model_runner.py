@@ -121,8 +121,8 @@ class PrefillGraphs:
     A prompt of n tokens runs padded to its bucket. The padding rows come after the prompt's (token 0 at position 0,
     K/V written to the padding block), so under causal attention no prompt token sees one, every layer's other
     kernels work row by row, and only the prompt's last row is read for logits: the prompt's K/V and logits are
-    those of the unpadded prefill, up to rounding (a GEMM over more rows may use another cuBLAS kernel). With ``capture`` False (no GPU) the same padded step runs eagerly, which is how
-    the interpreter tests it.
+    those of the unpadded prefill, up to rounding (a GEMM over more rows may use another cuBLAS kernel). With
+    ``capture`` False (no GPU) the same padded step runs eagerly, which is how the interpreter tests it.
     """
 
     def __init__(self, runner: "ModelRunner", max_tokens: int, capture: bool):

@@ -136,8 +136,9 @@ def pdl_options() -> dict:
 @triton.jit
 def pdl_wait_then_trigger(PDL: tl.constexpr):
     """First thing in a kernel launched with ``pdl_options()``: wait until the previous kernel has ended and its
-    writes are visible (``gdc_wait``), then let the next kernel start its launch (``gdc_launch_dependents``). The kernel itself reads and writes nothing before
-    this, so it behaves as a plain launch would; only its launch overlaps the previous kernel's end."""
+    writes are visible (``gdc_wait``), then let the next kernel start its launch (``gdc_launch_dependents``). The
+    kernel itself reads and writes nothing before this, so it behaves as a plain launch would; only its launch
+    overlaps the previous kernel's end."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
