@@ -144,6 +144,7 @@ class Impl:
     ENGINE_GRAPHS = "lessonlib engine, CUDA graphs"
     ENGINE_EAGER = "lessonlib engine, eager"
     ENGINE_GRAPHS_CUBLAS = "lessonlib engine, CUDA graphs, cuBLAS projections"  # Features(gemv=False), batch 1
+    ENGINE_GRAPHS_SYNC = "lessonlib engine, CUDA graphs, synchronous scheduling"  # Features(async_scheduling=False)
     WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
     # the tokens/s ladder's rungs (lessonlib.engine.features.ladder), cumulative
     RUNG_PLAIN = "plain PyTorch"

@@ -140,10 +140,15 @@ def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp
     assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
 
     # A step that fails half-way frees everything (and forgets the prefix cache, which it may have half written).
-    real_decode = llm.runner.decode
+    # It fails at the second decode step, launched while the first still runs (asynchronous scheduling).
+    real_decode, decodes = llm.runner.decode, []
 
-    def failing_decode(seqs):
-        raise RuntimeError("injected failure")
+    def failing_decode(seqs, previous_rows=None):
+        decodes.append(previous_rows)
+        if len(decodes) == 2:
+            assert llm._in_flight is None and previous_rows == [0]  # taken over by step(); its token on the device
+            raise RuntimeError("injected failure")
+        return real_decode(seqs, previous_rows)
 
     llm.runner.decode = failing_decode
     try:
@@ -155,6 +160,59 @@ def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp
     assert not llm.block_manager.allocator.block_with
     out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=1))
     assert len(out[0].outputs[0].token_ids) == 1 and llm.num_blocks_in_use() == 0
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
+    """Steps scheduled ahead of their predecessors' tokens (the default) against the host waiting for every token:
+    the same tokens and finish reasons, a stop token one request meets mid-run (the step scheduled behind it is
+    wasted, its token dropped), a queue (two seats for four requests), blocks filled during decode registered in
+    the prefix cache and found by a later prompt, nothing left allocated."""
+    from dataclasses import replace
+
+    from lessonlib.engine import Features
+
+    engines = {name: LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, num_blocks=32, max_model_len=256,
+                         features=Features(async_scheduling=name == "ahead")) for name in ("sync", "ahead")}
+    rng = random.Random()
+    vocab = engines["sync"].config.vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (14, 9, 20, 5)]  # 14 + 6 tokens: a full block
+    lengths = [6, 3, 5, 4]
+    free = engines["sync"].generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                              for n in lengths])
+    first = free[0].outputs[0].token_ids
+    stop_at = next(i for i in range(2, 6) if first[i] not in first[:i])  # its first occurrence: the stop
+    params = [SamplingParams(temperature=0.0, max_tokens=lengths[0])] + [
+        SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths[1:]]
+    ahead_steps = []
+    for name, llm in engines.items():
+        llm.config = replace(llm.config, eos_token_ids=(first[stop_at],))
+        schedule_ahead = llm.scheduler.schedule_ahead
+        llm.scheduler.schedule_ahead = lambda ends, name=name, f=schedule_ahead: (
+            ahead_steps.append(name) if name == "ahead" else None) or f(ends)
+    outs = {name: llm.generate(prompts, params) for name, llm in engines.items()}
+    assert len(ahead_steps) >= 5 and "sync" not in ahead_steps
+    assert outs["sync"][0].outputs[0].token_ids == first[:stop_at + 1]
+    assert outs["sync"][0].outputs[0].finish_reason == "stop"
+    for a, b in zip(outs["sync"], outs["ahead"]):
+        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == (b.outputs[0].token_ids, b.outputs[0].finish_reason)
+    for out, want in zip(outs["sync"][1:], free[1:]):
+        assert out.outputs[0].token_ids == want.outputs[0].token_ids
+    for llm in engines.values():
+        assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
+    # The first request's first block (14 prompt tokens, then 2 generated) was filled by decode steps: registered
+    # in the prefix cache once their tokens reached the host, and found by a later prompt that starts the same way.
+    later = [prompts[0] + first[:2] + [3]]
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
+    with torch.inference_mode():
+        want = model.generate(torch.tensor(later), max_new_tokens=2, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, len(later[0]):].tolist()
+    for name, llm in engines.items():
+        again = llm.generate(later, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert again[0].num_cached_tokens == 16, name
+        assert again[0].outputs[0].token_ids == want, name
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_keeps_the_nucleus(llm):
@@ -216,6 +274,8 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     assert recorded.benchmark == "engine" and "--smoke" in recorded.command
     assert recorded.select(op="generate", impl="transformers generate (dynamic cache, eager)")
     assert recorded.select(op="generate", impl="lessonlib engine, eager")
+    if runtime.on_gpu():  # the peer that shows what asynchronous scheduling gives
+        assert recorded.select(op="generate", impl="lessonlib engine, CUDA graphs, synchronous scheduling")
     check = recorded.notes["checks"]["lessonlib engine, eager"]
     assert check["passed"] and check["greedy_tokens"]["all_divergences_near_ties"]
     ladder = recorded.select(op="tokens_per_s_ladder")
@@ -229,6 +289,20 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     from lessonlib.engine.lesson import plot_ladder
 
     assert len(plot_ladder(recorded).patches) == len(ladder)
+
+
+def test_the_batch_1_summary_reads_the_recorded_run():
+    """Lesson 07's two printed lines about batch 1 come from the committed H200 run's records."""
+    from lessonlib import results
+    from lessonlib.engine.lesson import batch_1_summary
+
+    recorded = results.find("engine-h200")
+    engine = recorded.select(op="generate", impl="lessonlib engine, CUDA graphs", batch=1)[0]
+    sync = recorded.select(op="engine_steps", impl="lessonlib engine, CUDA graphs, synchronous scheduling", batch=1)[0]
+    text = batch_1_summary(recorded)
+    assert f"{engine['tokens_per_s']:,.0f} tokens/s" in text and f"{sync['decode_step_us']:,.0f} µs with the host" in text
+    del recorded.notes["weight_read_limit_tokens_per_s_batch_1"]
+    assert "predates" in batch_1_summary(recorded)
 
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
@@ -344,20 +418,28 @@ def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
 
 
 def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
-    """What a captured decode graph reads: each sequence's last token, its position and slot, its length and block
-    table, all in one buffer; rows past the batch point at the padding block."""
+    """What a captured decode graph reads: each sequence's last token (or the previous step's row that holds it),
+    its position and slot, its length and block table, all in one buffer; rows past the batch point at the padding
+    block."""
+    from lessonlib.engine.llm import PENDING
     from lessonlib.engine.model_runner import DecodeInputs
     from lessonlib.engine.sequence import Sequence
 
     inputs = DecodeInputs(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
     a = Sequence(list(range(1, 18)), GREEDY, block_table=[5, 2])  # 17 tokens: the last in block 2, offset 0
     b = Sequence([7] * 3, GREEDY, block_table=[4])
-    views = inputs.fill([a, b], rows=3)
-    assert views["input_ids"].tolist() == [17, 7, 0] and views["positions"].tolist() == [16, 2, 0]
+    views = inputs.fill([a, b], rows=3, previous_rows=[None, None])
+    assert inputs.input_ids(3).tolist() == [17, 7, 0] and views["positions"].tolist() == [16, 2, 0]
     assert views["slots"].tolist() == [2 * 16, 4 * 16 + 2, 9 * 16] and views["seq_lens"].tolist() == [17, 3, 1]
     assert views["block_table"][:, :2].tolist() == [[5, 2], [4, 9], [9, 9]]
-    views = inputs.fill([b], rows=2)  # a smaller batch next: its padding row no longer holds b's
-    assert views["input_ids"].tolist() == [7, 0] and views["seq_lens"].tolist() == [3, 1]
+    # The next step scheduled ahead, for b alone: b's new token has not reached the host (a placeholder there);
+    # the step takes it from the row the previous step left it in, on the device. A smaller batch: its padding row
+    # no longer holds b's.
+    inputs.previous_tokens.copy_(torch.tensor([40, 41, 42, 43]))  # what the previous step computed, row by row
+    b.token_ids.append(PENDING)
+    views = inputs.fill([b], rows=2, previous_rows=[1])
+    assert inputs.input_ids(2).tolist() == [41, 0] and views["positions"].tolist() == [3, 0]
+    assert views["slots"].tolist() == [4 * 16 + 3, 9 * 16] and views["seq_lens"].tolist() == [4, 1]
     assert views["block_table"][:, :2].tolist() == [[4, 9], [9, 9]]
 
 

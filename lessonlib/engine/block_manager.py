@@ -84,20 +84,28 @@ class BlockManager:
     # --- growth (decode) ---------------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Room for the K/V of the sequence's last token, the one the next decode step feeds."""
-        return len(seq.block_table) * self.block_size >= len(seq.token_ids) or self.allocator.can_allocate(1)
+        return not self.needs_block(seq) or self.allocator.can_allocate(1)
+
+    def needs_block(self, seq: Sequence) -> bool:
+        """Whether the last token starts a new block (its position is past the blocks the sequence holds)."""
+        return len(seq.block_table) * self.block_size < len(seq.token_ids)
 
     def append(self, seq: Sequence) -> None:
-        """Make room for the last token's K/V (a new block when the previous one is full); when that token fills
-        its block, register the block in the prefix cache (its K/V are complete once this step has run)."""
-        n = len(seq.token_ids)
-        if len(seq.block_table) * self.block_size < n:
+        """Make room for the last token's K/V: a new block when the previous one is full. The token itself may not
+        be known yet (an asynchronous step schedules the next one before its tokens reach the host): only its
+        position matters here."""
+        if self.needs_block(seq):
             seq.block_table.append(self.allocator.allocate())
-        if n % self.block_size == 0:
-            digests = self._digests[seq.seq_id]
-            i = len(seq) // self.block_size - 1
-            if len(digests) == i:  # a chain with no gap (false once a sequence ran past what was hashed)
-                digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:]))
-                self.allocator.register(seq.block_table[i], digests[-1])
+
+    def register_written(self, seq: Sequence, position: int) -> None:
+        """A decode step has written the K/V of the token at ``position``: when that token fills its block, the block
+        joins the prefix cache (its digest chains over tokens that are all known by then)."""
+        if (position + 1) % self.block_size:
+            return
+        digests, i = self._digests[seq.seq_id], position // self.block_size
+        if len(digests) == i:  # a chain with no gap (false once a sequence ran past what was hashed)
+            digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:position + 1]))
+            self.allocator.register(seq.block_table[i], digests[-1])
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks (finished, or preempted); full ones stay prefix-cached until reused."""

@@ -17,6 +17,9 @@ a switch turned off runs that part the plain-PyTorch way, so every combination g
                          eager
     continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
                          the next is admitted
+    async_scheduling     a greedy decode step runs on the GPU while the host schedules and launches the next one
+                         (its input tokens taken on the GPU from the step before); off: the host waits for each
+                         step's tokens before it schedules the next. The ladder turns it on with cuda_graphs
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ class Features:
     cuda_graphs: bool = True
     continuous_batching: bool = True
     gemv: bool = True
+    async_scheduling: bool = True
 
     def __post_init__(self):
         for f in fields(self):
@@ -48,7 +52,7 @@ def ladder() -> list[tuple[str, Features]]:
     """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
     rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
     for names, label in ((("fused_ops", "gemv"), Impl.RUNG_FUSED_OPS), (("flash_prefill",), Impl.RUNG_FLASH_PREFILL),
-                         (("paged_decode",), Impl.RUNG_PAGED_DECODE), (("cuda_graphs",), Impl.RUNG_CUDA_GRAPHS),
+                         (("paged_decode",), Impl.RUNG_PAGED_DECODE), (("cuda_graphs", "async_scheduling"), Impl.RUNG_CUDA_GRAPHS),
                          (("continuous_batching",), Impl.RUNG_CONTINUOUS_BATCHING)):
         features = replace(features, **dict.fromkeys(names, True))
         rungs.append((label, features))

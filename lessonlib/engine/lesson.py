@@ -14,7 +14,7 @@ from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import SamplingParams, Sequence
 from lessonlib.plots import IMPL_COLORS, figure, finish
-from lessonlib.results import Op
+from lessonlib.results import Impl, Op
 from lessonlib.serving.greedy_parity import first_difference
 from lessonlib.testing import tolerance
 
@@ -57,6 +57,8 @@ def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 
             cached += sum(seq.num_cached_tokens for seq in seqs)
         for seq in seqs:
             seq.token_ids.append(rng.randrange(1000))
+            if not is_prefill:
+                blocks.register_written(seq, len(seq.token_ids) - 2)  # the fed token's block, once full, is cached
             if seq.num_output_tokens >= stops[seq.seq_id]:
                 scheduler.finish(seq, "stop")
         reserved = sum(blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) for seq in scheduler.running)
@@ -142,6 +144,26 @@ def plot_recorded(results, axes=None):
     parts.legend(fontsize=7, ncol=2, loc="upper left")
     finish(ladder.figure, results.provenance())
     return axes
+
+
+def batch_1_summary(results) -> str:
+    """The recorded batch-1 run in two lines: tokens/s against the weight-read limit, and one decode step's wall time
+    with and without asynchronous scheduling against its GPU time."""
+    def record(op, impl, part=None):
+        return next((r for r in results.select(op=op) if r["impl"] == impl and r["shape"]["batch"] == 1
+                     and r.get("part") == part), None)
+
+    engine = record(Op.GENERATE, Impl.ENGINE_GRAPHS)
+    ahead, sync = record(Op.ENGINE_STEPS, Impl.ENGINE_GRAPHS), record(Op.ENGINE_STEPS, Impl.ENGINE_GRAPHS_SYNC)
+    gpu = record(Op.DECODE_STEP_PART, Impl.ENGINE, part="whole step")
+    limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
+    if any(r is None for r in (engine, ahead, sync, gpu, limit)):
+        return "this results file predates asynchronous scheduling: no batch-1 summary"
+    return (f"batch 1: {engine['tokens_per_s']:,.0f} tokens/s, {engine['tokens_per_s'] / limit:.2f}x the "
+            f"weight-read limit ({limit:,.0f} tokens/s)\n"
+            f"one decode step: {ahead['decode_step_us']:,.0f} µs of wall time with asynchronous scheduling, "
+            f"{sync['decode_step_us']:,.0f} µs with the host waiting for each step's tokens; the step's GPU time "
+            f"alone: {gpu['us']:,.0f} µs")
 
 
 def ladder_records(results) -> list[dict]:

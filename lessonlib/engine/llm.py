@@ -6,6 +6,14 @@
 
 Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
 any error the engine is empty and ready for the next call.
+
+Asynchronous scheduling (``Features.async_scheduling``, vLLM's ``async_scheduling``): a greedy decode step is left
+running on the GPU while the host schedules and launches the next one, whose input tokens the GPU takes from the
+step before (the host writes a placeholder, ``PENDING``, for each). Only then does the host wait for the first
+step's tokens and fill its placeholders in. So the host's work per step (scheduling, input preparation, the
+bookkeeping of finished requests) runs while the GPU computes, instead of between steps with the GPU idle. The price:
+a request that emits a stop token runs one step more than it needs (its extra token is dropped); one that ends by
+length is known in advance and is not scheduled again.
 """
 
 from __future__ import annotations
@@ -21,13 +29,29 @@ from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
-from lessonlib.engine.model_runner import ModelRunner
+from lessonlib.engine.model_runner import ModelRunner, PendingTokens
 from lessonlib.engine.sampler import Sampler
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
 
 CPU_POOL_BYTES = 64 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
 GPU_POOL_SHARE = 0.8  # default KV pool on a GPU: this share of the memory budget left after the weights
+
+
+PENDING = -1  # a token the GPU has computed (or is computing) that has not reached the host yet
+
+
+@dataclass
+class Launched:
+    """A step on its way: launched on the GPU, its tokens not yet read on the host."""
+
+    seqs: list[Sequence]
+    is_prefill: bool
+    tokens: PendingTokens
+    token_index: list[int]  # where each sequence's new token goes in its token_ids (a PENDING placeholder now)
+    new_tokens: int
+    cached: int
+    started: float
 
 
 @dataclass
@@ -42,7 +66,7 @@ class StepRecord:
     blocks_reserved: int  # blocks the running sequences would hold if each reserved its max length up front
     waiting: int
     preemptions: int  # so far in this run
-    seconds: float
+    seconds: float  # from its launch (or the previous step's completion, if later) to its completion
 
 
 class LLM:
@@ -90,6 +114,8 @@ class LLM:
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, features)
         self.sampler = Sampler(device)
         self.steps: list[StepRecord] = []  # the last generate()'s steps
+        self._in_flight: Launched | None = None  # a step left running on the GPU (asynchronous scheduling)
+        self._last_done = 0.0  # when the last step completed (a step's time runs from its launch or from then)
 
     @property
     def cuda_graphs(self) -> bool:
@@ -130,7 +156,7 @@ class LLM:
         return seq
 
     def has_unfinished_requests(self) -> bool:
-        return not self.scheduler.is_finished()
+        return not self.scheduler.is_finished() or self._in_flight is not None
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -157,45 +183,97 @@ class LLM:
         return [self.output(seq) for seq in seqs]
 
     def step(self) -> list[Sequence]:
-        """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. A failure
-        frees every request and the prefix cache, and is raised."""
-        start = time.perf_counter()
+        """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. With
+        asynchronous scheduling a greedy decode step is left running and completed by the next call, after that
+        call has launched the step that follows it (or has found that the next step needs its tokens first). A
+        failure frees every request and the prefix cache, and is raised."""
+        previous, self._in_flight = self._in_flight, None
         try:
-            seqs, is_prefill = self.scheduler.schedule()
-            if not seqs:
-                raise RuntimeError("the scheduler found nothing to run: a request cannot fit the KV cache")
-            out = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
-            tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
-                                  [s.params.top_p for s in seqs], greedy=out.greedy)
+            if previous is None:
+                seqs, is_prefill = self.scheduler.schedule()
+                if not seqs:
+                    raise RuntimeError("the scheduler found nothing to run: a request cannot fit the KV cache")
+            else:
+                seqs, is_prefill = self.scheduler.schedule_ahead(self._ends_by_length), False
+                if not seqs:  # the next step depends on the running step's tokens: wait for them first
+                    return self._complete(previous)
+            launched = self._launch(seqs, is_prefill, previous)
+            finished = self._complete(previous) if previous is not None else []
+            if self._may_leave_running(launched):
+                self._in_flight = launched
+            else:
+                finished += self._complete(launched)
+            return finished
         except BaseException:
+            self._in_flight = None
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 self.sampler.forget(seq.seq_id)
             self.scheduler.abort_all()
             raise
-        finished = []
+
+    def _launch(self, seqs: list[Sequence], is_prefill: bool, previous: Launched | None) -> Launched:
+        """Run the step's model and sampler (queued on the GPU), start its tokens' copy to the host, and give each
+        sequence a placeholder for its new token."""
+        started = time.perf_counter()
+        if is_prefill:
+            out = self.runner.prefill(seqs)
+        else:
+            rows = {seq.seq_id: row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
+            out = self.runner.decode(seqs, [rows[s.seq_id] if s.token_ids[-1] == PENDING else None for s in seqs])
+        tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
+                              [s.params.top_p for s in seqs], greedy=out.greedy)
         cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
         new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
-        for seq, token in zip(seqs, tokens):
-            seq.token_ids.append(token)
-            reason = self._finish_reason(seq, token)
+        for seq in seqs:
+            seq.token_ids.append(PENDING)
+        return Launched(seqs, is_prefill, self.runner.host_tokens.send(tokens), [len(s) - 1 for s in seqs],
+                        new_tokens, cached, started)
+
+    def _may_leave_running(self, launched: Launched) -> bool:
+        """A step may run on while the next is scheduled when that step could take its tokens on the GPU: a decode
+        step of greedy requests (a sampled token is drawn outside the captured step)."""
+        return (self.features.async_scheduling and not launched.is_prefill
+                and all(seq.params.temperature == 0 for seq in launched.seqs))
+
+    def _complete(self, launched: Launched) -> list[Sequence]:
+        """Wait for a step's tokens, put them in place of its placeholders, retire the sequences that end, and
+        register the prefix-cache blocks the step filled; returns the finished sequences."""
+        tokens = launched.tokens.wait()
+        finished = []
+        for seq, token, index in zip(launched.seqs, tokens, launched.token_index):
+            if seq.status is not Status.RUNNING:  # it ended at the step before, which this one was launched behind
+                continue
+            seq.token_ids[index] = token
+            if not launched.is_prefill:
+                self.block_manager.register_written(seq, index - 1)  # the fed token's K/V are written
+            reason = self._finish_reason(seq, token, length=index + 1)
             if reason:
+                del seq.token_ids[index + 1:]  # a placeholder of the step launched behind this one
                 self.scheduler.finish(seq, reason)
                 self.sampler.forget(seq.seq_id)
                 finished.append(seq)
+        now = time.perf_counter()
         running = self.scheduler.running
         self.steps.append(StepRecord(
-            "prefill" if is_prefill else "decode", len(seqs), new_tokens, cached, self.block_manager.num_used,
+            "prefill" if launched.is_prefill else "decode", len(launched.seqs), launched.new_tokens, launched.cached,
+            self.block_manager.num_used,
             sum(self.block_manager.blocks_for(min(s.num_prompt_tokens + s.params.max_tokens, self.max_model_len))
                 for s in running),
-            len(self.scheduler.waiting), self.scheduler.num_preemptions, time.perf_counter() - start))
+            len(self.scheduler.waiting), self.scheduler.num_preemptions, now - max(launched.started, self._last_done)))
+        self._last_done = now
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
+        """Why a sequence whose token at ``length - 1`` is ``token`` ends there, if it does."""
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
-        if seq.num_output_tokens >= seq.params.max_tokens or len(seq.token_ids) >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
             return "length"
         return None
+
+    def _ends_by_length(self, seq: Sequence) -> bool:
+        """Whether the token the running step computes for ``seq`` (its last, a placeholder) will end it by length."""
+        return self._finish_reason(seq, PENDING, length=len(seq.token_ids)) == "length"
 
     def output(self, seq: Sequence) -> RequestOutput:
         if seq.status is not Status.FINISHED:

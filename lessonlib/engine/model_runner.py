@@ -47,69 +47,126 @@ MAX_PREFILL_GRAPH_TOKENS = 2048  # longer lone prompts prefill eagerly: their la
 
 
 class DecodeInputs:
-    """A decode step's integer inputs, written on the host into one page-locked buffer and sent to the GPU in one
-    copy (its int64 part: token ids, positions, cache slots; its int32 part: sequence lengths, block tables; each a
-    view of the same bytes). The device buffer is what the captured graphs read, so a replay needs no other input.
+    """A decode step's integer inputs, written on the host into a page-locked buffer and sent to the GPU in one copy
+    (its int64 part: token ids, positions, cache slots, token sources; its int32 part: sequence lengths, block
+    tables; each a view of the same bytes). The device buffer is what the captured graphs read, so a replay needs
+    no other input.
+
+    A row's input token is ``token_pool[source]``. The pool is the previous decode step's tokens (rows 0..rows-1,
+    written by that step on the GPU) followed by this step's host-known ids (rows..2 rows-1). A sequence whose last
+    token is still on its way to the host (the engine scheduled this step ahead) takes its token from the previous
+    step's row; every other row from the host. So the next step can be launched before the host has seen a token.
 
     Rows past the batch are padding: token 0 at position 0, its K/V written to the padding block, attending to
-    one token of it. Reusing the host buffer each step is safe because every step ends by reading its sampled
-    tokens back to the host, which waits for the step's copies too.
+    one token of it. Two host buffers take turns: the host fills one while the copy of the other may be in flight
+    (a step scheduled ahead is filled before the previous step, whose inputs were copied from the other one, ends).
     """
+
+    INT64_ROWS = 4  # ids, positions, slots, sources (the host's part); the device has the previous tokens first
 
     def __init__(self, rows: int, max_blocks: int, pad_block: int, block_size: int, device: torch.device):
         pinned = device.type == "cuda"
         self.rows, self.max_blocks, self.pad_block, self.block_size = rows, max_blocks, pad_block, block_size
-        int64_bytes, int32_bytes = 3 * rows * 8, rows * (1 + max_blocks) * 4
-        self.host = torch.zeros(int64_bytes + int32_bytes, dtype=torch.uint8, pin_memory=pinned)
-        self.device_buffer = torch.zeros_like(self.host, device=device)
-        self.host_ints, self.host_int32 = self._split(self.host, int64_bytes)
-        self.device_ints, self.device_int32 = self._split(self.device_buffer, int64_bytes)
-        self.ids, self.positions, self.slots = self.host_ints.numpy()
-        int32 = self.host_int32.numpy()
-        self.lens, self.table = int32[:rows], int32[rows:].reshape(rows, max_blocks)
+        int64_bytes, int32_bytes = self.INT64_ROWS * rows * 8, rows * (1 + max_blocks) * 4
+        self.hosts = [torch.zeros(int64_bytes + int32_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self.device_buffer = torch.zeros(rows * 8 + int64_bytes + int32_bytes, dtype=torch.uint8, device=device)
+        self.device_sent = self.device_buffer[rows * 8:]  # what a host buffer is copied onto
+        device_ints = self.device_buffer[:rows * 8 + int64_bytes].view(torch.int64)
+        self.previous_tokens = device_ints[:rows]  # written by each decode step: its tokens, row by row
+        self.token_pool = device_ints[:2 * rows]  # previous_tokens, then this step's host-known ids
+        self.device_ints = device_ints[rows:].view(self.INT64_ROWS, rows)
+        self.device_int32 = self.device_buffer[rows * 8 + int64_bytes:].view(torch.int32)
         self._views: dict[int, dict[str, torch.Tensor]] = {}
-        self._pad(rows)
-        self._send()
+        for turn in (1, 0):
+            self.turn = turn
+            self._pad(rows)
+            self._send()
 
-    def _split(self, buffer: torch.Tensor, int64_bytes: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The (3, rows) int64 and the flat int32 views of one byte buffer."""
-        return buffer[:int64_bytes].view(torch.int64).view(3, self.rows), buffer[int64_bytes:].view(torch.int32)
+    def _host(self) -> tuple:
+        """This turn's host arrays (numpy views): ids, positions, slots, sources, lengths, block tables."""
+        host, int64_bytes = self.hosts[self.turn], self.INT64_ROWS * self.rows * 8
+        ids, positions, slots, sources = host[:int64_bytes].view(torch.int64).view(self.INT64_ROWS, self.rows).numpy()
+        int32 = host[int64_bytes:].view(torch.int32).numpy()
+        return ids, positions, slots, sources, int32[:self.rows], int32[self.rows:].reshape(self.rows, self.max_blocks)
 
     def views(self, rows: int) -> dict[str, torch.Tensor]:
-        """The first ``rows`` rows of the device buffers, by StepContext's names."""
+        """The first ``rows`` rows of the device buffers, by StepContext's names (and the token sources)."""
         if rows not in self._views:
-            self._views[rows] = self._make_views(rows)
+            ints, int32 = self.device_ints, self.device_int32
+            self._views[rows] = {"sources": ints[3, :rows], "positions": ints[1, :rows], "slots": ints[2, :rows],
+                                 "seq_lens": int32[:rows],
+                                 "block_table": int32[self.rows:].view(self.rows, self.max_blocks)[:rows]}
         return self._views[rows]
 
-    def _make_views(self, rows: int) -> dict[str, torch.Tensor]:
-        ints, int32 = self.device_ints, self.device_int32
-        return {"input_ids": ints[0, :rows], "positions": ints[1, :rows], "slots": ints[2, :rows],
-                "seq_lens": int32[:rows], "block_table": int32[self.rows:].view(self.rows, self.max_blocks)[:rows]}
+    def input_ids(self, rows: int) -> torch.Tensor:
+        """Each row's input token, gathered on the device (see the class docstring)."""
+        return self.token_pool[self.views(rows)["sources"]]
 
-    def fill(self, seqs: list[Sequence], rows: int) -> dict[str, torch.Tensor]:
-        """Write each sequence's last token, its position and slot, its length and block table (rows past the batch:
-        padding); send them; return the device views of the first ``rows`` rows."""
+    def fill(self, seqs: list[Sequence], rows: int, previous_rows: list[int | None]) -> dict[str, torch.Tensor]:
+        """Write each sequence's last token (or, where ``previous_rows`` names one, the previous step's row that
+        holds it), its position and slot, its length and block table (rows past the batch: padding); send them;
+        return the device views of the first ``rows`` rows."""
+        self.turn ^= 1
         bs, n = self.block_size, len(seqs)
+        ids, positions, slots, sources, lens, table = self._host()
         self._pad(rows)
         lengths = [len(seq.token_ids) for seq in seqs]
-        self.ids[:n] = [seq.token_ids[-1] for seq in seqs]
-        self.lens[:n] = lengths
-        self.positions[:n] = [length - 1 for length in lengths]
-        self.slots[:n] = [seq.block_table[(length - 1) // bs] * bs + (length - 1) % bs for seq, length in zip(seqs, lengths)]
-        for row, seq in zip(self.table, seqs):
+        for row, (seq, previous) in enumerate(zip(seqs, previous_rows)):
+            if previous is None:
+                ids[row] = seq.token_ids[-1]
+            else:
+                sources[row] = previous
+        lens[:n] = lengths
+        positions[:n] = [length - 1 for length in lengths]
+        slots[:n] = [seq.block_table[(length - 1) // bs] * bs + (length - 1) % bs for seq, length in zip(seqs, lengths)]
+        for row, seq in zip(table, seqs):
             row[:len(seq.block_table)] = seq.block_table
         self._send()
         return self.views(rows)
 
     def _pad(self, rows: int) -> None:
-        self.ids[:rows] = 0
-        self.positions[:rows] = 0
-        self.slots[:rows] = self.pad_block * self.block_size
-        self.lens[:rows] = 1
-        self.table[:rows] = self.pad_block  # entries past a sequence's blocks are never read
+        ids, positions, slots, sources, lens, table = self._host()
+        ids[:rows] = 0
+        sources[:rows] = range(self.rows, self.rows + rows)  # the host's id of each row
+        positions[:rows] = 0
+        slots[:rows] = self.pad_block * self.block_size
+        lens[:rows] = 1
+        table[:rows] = self.pad_block  # entries past a sequence's blocks are never read
 
     def _send(self) -> None:
-        self.device_buffer.copy_(self.host, non_blocking=True)
+        self.device_sent.copy_(self.hosts[self.turn], non_blocking=True)
+
+
+class HostTokens:
+    """A step's tokens on their way to the host: copied into a page-locked buffer behind the step, with an event
+    recorded after the copy, so the host can schedule and launch the next step before it reads them. Two buffers
+    take turns (the next step's copy may land while the host reads this one's)."""
+
+    def __init__(self, rows: int, device: torch.device):
+        self.gpu = device.type == "cuda"
+        self.buffers = [torch.zeros(rows, dtype=torch.int64, pin_memory=self.gpu) for _ in range(2)]
+        self.turn = 0
+
+    def send(self, tokens: torch.Tensor) -> "PendingTokens":
+        self.turn ^= 1
+        buffer = self.buffers[self.turn][:tokens.shape[0]]
+        buffer.copy_(tokens, non_blocking=True)
+        done = None
+        if self.gpu:
+            done = torch.cuda.Event()
+            done.record()
+        return PendingTokens(buffer, done)
+
+
+@dataclass
+class PendingTokens:
+    buffer: torch.Tensor
+    done: "torch.cuda.Event | None"  # None on the CPU, where the copy has already happened
+
+    def wait(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.buffer.tolist()
 
 
 class PrefillGraphs:
@@ -197,6 +254,7 @@ class ModelRunner:
         self.v_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.max_blocks = -(-max_model_len // block_size)  # block-table width of every decode step
         self.inputs = DecodeInputs(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
+        self.host_tokens = HostTokens(max_num_seqs, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.prefill_graphs: PrefillGraphs | None = None
         if features.cuda_graphs and runtime.on_gpu():
@@ -247,23 +305,33 @@ class ModelRunner:
             groups.append((rows, len(members), n))
         return groups
 
-    # --- decode ------------------------------------------------------------------------------------------------
+    # --- decode ---------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def decode(self, seqs: list[Sequence]) -> StepOutput:
-        """One new token per sequence: feed each one's last token; return (B, vocab) logits and greedy tokens."""
+    def decode(self, seqs: list[Sequence], previous_rows: list[int | None] | None = None) -> StepOutput:
+        """One new token per sequence: feed each one's last token (from the previous decode step's row
+        ``previous_rows[i]`` where it names one: that token has not reached the host yet); return (B, vocab) logits
+        and greedy tokens."""
         batch = len(seqs)
         bucket = next((b for b in sorted(self.graphs) if b >= batch), None)
-        inputs = self.inputs.fill(seqs, rows=bucket or batch)
+        inputs = self.inputs.fill(seqs, bucket or batch, previous_rows or [None] * batch)
         if bucket is None:
             ctx = StepContext(False, inputs["slots"], inputs["block_table"], inputs["seq_lens"],
                               decode_splits=None if runtime.on_gpu() else 1,
                               max_seq_len=max(len(seq.token_ids) for seq in seqs))
-            logits = self.model.logits(self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches,
-                                                  self.v_caches))
-            return StepOutput(logits, greedy(logits, self.fused))
+            return self._decode_step(batch, ctx)
         graph, out = self.graphs[bucket]
         graph.replay()
         return StepOutput(out.logits[:batch], out.greedy[:batch])
+
+    def _decode_step(self, rows: int, ctx: StepContext) -> StepOutput:
+        """The decode step on the first ``rows`` rows of the inputs; its greedy tokens are also kept on the device
+        for the next step (``DecodeInputs.previous_tokens``)."""
+        inputs = self.inputs.views(rows)
+        hidden = self.model(self.inputs.input_ids(rows), inputs["positions"], ctx, self.k_caches, self.v_caches)
+        logits = self.model.logits(hidden)
+        tokens = greedy(logits, self.fused)
+        self.inputs.previous_tokens[:rows].copy_(tokens)
+        return StepOutput(logits, tokens)
 
     def _capture(self, max_num_seqs: int) -> None:
         """One graph per batch-size bucket, largest first, all sharing one memory pool (the buckets run one at a
@@ -274,17 +342,11 @@ class ModelRunner:
             for batch in reversed(graph_batch_sizes(max_num_seqs)):
                 inputs = self.inputs.views(batch)
                 ctx = StepContext(False, inputs["slots"], inputs["block_table"], inputs["seq_lens"])
-
-                def step():
-                    hidden = self.model(inputs["input_ids"], inputs["positions"], ctx, self.k_caches, self.v_caches)
-                    logits = self.model.logits(hidden)
-                    return StepOutput(logits, greedy(logits, self.fused))
-
-                step()  # compiles the kernels for this shape outside the capture
+                self._decode_step(batch, ctx)  # compiles the kernels for this shape outside the capture
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = step()
+                    out = self._decode_step(batch, ctx)
                 pool = graph.pool()
                 self.graphs[batch] = (graph, out)
         torch.cuda.synchronize()

@@ -42,7 +42,8 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], temperatures: list[float],
                  top_ps: list[float], greedy: torch.Tensor | None = None) -> list[int]:
         """logits: (B, V) float32; greedy: (B,) each row's argmax if the step computed it already (the engine's
-        runner does, on the GPU). Returns B token ids (one host sync)."""
+        runner does, on the GPU). Returns the B token ids as a (B,) int64 tensor on the logits' device: a greedy
+        batch is sampled without the host waiting for the GPU."""
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
         sampled = [i for i, t in enumerate(temperatures) if t > 0]
         if sampled:  # sampled rows overwrite their greedy token (in a copy: greedy may be a graph's output)
@@ -54,4 +55,4 @@ class Sampler:
             probs = top_p_filter(probs, top_p)
             for row, i in enumerate(sampled):
                 tokens[i] = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0]
-        return tokens.tolist()
+        return tokens

@@ -12,6 +12,12 @@ When a decode step needs a block and none is free, the most recently admitted se
 are freed and it goes back to the front of the queue, to be recomputed (prompt and generated tokens as one new
 prompt) when blocks free up. Nothing is ever half-allocated and no block is ever written by two sequences.
 
+*Scheduling ahead* (:meth:`Scheduler.schedule_ahead`, the engine's ``async_scheduling``): the next decode step is
+scheduled while the current one runs on the GPU, before its tokens reach the host. Each running sequence's last
+token is then a placeholder whose position, not value, is known, which is all the block bookkeeping needs. It
+declines (the engine then waits for the tokens and schedules as above) whenever the decision could depend on them:
+a request might be admitted, or a sequence needs a block and none is free.
+
 ``continuous=False`` is *static batching*, the ladder's rung below continuous batching: waiting requests are admitted
 only when no sequence is running, so a batch runs until its longest request ends and the seats of the finished ones
 stay empty meanwhile.
@@ -20,6 +26,7 @@ stay empty meanwhile.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.sequence import Sequence, Status
@@ -89,6 +96,21 @@ class Scheduler:
                 scheduled.append(seq)
         self.running.extend(scheduled)
         return scheduled, False
+
+    def schedule_ahead(self, ends: Callable[[Sequence], bool]) -> list[Sequence]:
+        """The next decode step, scheduled while the current step runs: every running sequence except those
+        ``ends`` says its pending token finishes (by length; a stop token is only seen when the token arrives, so
+        such a sequence runs one step too many and its extra token is dropped). Empty when the tokens must come
+        first: the head of the queue could be admitted now, or the blocks the step needs are not free."""
+        may_admit = self.continuous or not self.running
+        if self.waiting and may_admit and self.can_admit(self.waiting[0], len(self.running), 0):
+            return []
+        batch = [seq for seq in self.running if not ends(seq)]
+        if not batch or sum(self.blocks.needs_block(seq) for seq in batch) > self.blocks.num_free:
+            return []
+        for seq in batch:
+            self.blocks.append(seq)
+        return batch
 
     def preempt(self, seq: Sequence) -> None:
         self.blocks.free(seq)

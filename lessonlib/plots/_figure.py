@@ -23,6 +23,7 @@ IMPL_COLORS = {  # one colour per implementation, in every figure
     Impl.ENGINE_GRAPHS: "#2ca02c",
     Impl.ENGINE_EAGER: "#d62728",
     Impl.ENGINE_GRAPHS_CUBLAS: "#98df8a",  # the engine's light green: the same engine, cuBLAS for its projections
+    Impl.ENGINE_GRAPHS_SYNC: "#bcbd22",  # olive: the same engine, the host waiting for each step's tokens
 }
 
 
