@@ -11,6 +11,8 @@ transformers alike, which is all lesson 06 needs: the text it writes is nonsense
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 from pathlib import Path
 
 from lessonlib import runtime
@@ -59,7 +61,11 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
     path = Path(path) if path is not None else default_path(architecture)
     if (path / "model.safetensors").exists() and not overwrite:
         return path
-    path.mkdir(parents=True, exist_ok=True)
+    # Written into a folder of its own, then renamed into place: another process (a second notebook, a test run in
+    # parallel) never reads a half-written model.
+    final = path
+    final.parent.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -83,4 +89,19 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id,
                                                              "do_sample": False}))
-    return path
+    return _move_into_place(path, final, overwrite)
+
+
+def _move_into_place(built: Path, final: Path, overwrite: bool) -> Path:
+    """Rename the finished folder ``built`` to ``final``. A folder already there is replaced when ``overwrite`` or
+    when it holds no weights (a build that died half-way); a complete one that another process moved there first
+    is kept, and ``built`` dropped."""
+    if final.exists() and (overwrite or not (final / "model.safetensors").exists()):
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        built.rename(final)
+    except OSError:  # another process's build got there first
+        shutil.rmtree(built, ignore_errors=True)
+        if not (final / "model.safetensors").exists():
+            raise
+    return final

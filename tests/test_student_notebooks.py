@@ -5,6 +5,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import nbformat
@@ -95,19 +96,34 @@ print("checks failed:", checked)
 '''
 
 
-@pytest.mark.parametrize("path", [p for p in SOURCES if solution_lines(p)], ids=lambda p: p.name)
-def test_stubs_fail_their_checks(path):
+WITH_EXERCISES = [p for p in SOURCES if solution_lines(p)]
+
+
+def run_student_copy(student: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", RUNNER, str(student), CHECK_CALL.pattern], capture_output=True,
+                          text=True, cwd=student.parent, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+
+
+@pytest.fixture(scope="module")
+def student_runs() -> dict[str, subprocess.CompletedProcess]:
+    """Every student copy run top to bottom, two at a time (CI has two cores; each run is one process)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        names = [p.name for p in WITH_EXERCISES]
+        return dict(zip(names, pool.map(run_student_copy, [gen.STUDENT_DIR / name for name in names])))
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
+def test_stubs_fail_their_checks(path, student_runs):
     """Run the student copy top to bottom (as a student who filled in nothing would): each exercise check fails."""
     student = gen.STUDENT_DIR / path.name
     expected = len(CHECK_CALL.findall("\n".join(c.source for c in nbformat.read(student, as_version=4).cells)))
-    result = subprocess.run([sys.executable, "-c", RUNNER, str(student), CHECK_CALL.pattern], capture_output=True,
-                            text=True, cwd=student.parent, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+    result = student_runs[path.name]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"checks failed: {expected}" in result.stdout
     assert result.stdout.count("not implemented yet") == expected, result.stdout
 
 
-@pytest.mark.parametrize("path", [p for p in SOURCES if solution_lines(p)], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
 def test_student_copies_keep_nbgrader_metadata_and_lock_the_checkers(path):
     """A submission names its exercises by nbgrader's grade_id (the grader pairs cells by it), and JupyterLab
     refuses to delete a solution cell or to edit or delete a checker cell, as in nbgrader's release."""

@@ -15,8 +15,7 @@ from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import SamplingParams, Sequence
 from lessonlib.plots import IMPL_COLORS, figure, finish
 from lessonlib.results import Impl, Op
-from lessonlib.serving.greedy_parity import first_difference
-from lessonlib.testing import tolerance
+from lessonlib.serving.greedy_parity import first_difference, near_tie_gap
 
 
 @dataclass
@@ -199,11 +198,11 @@ def show_live_ladder(runs, expected: list[list[int]], *, model_path=None, prompt
     tokens differ from ``expected`` (transformers' greedy tokens in the engine's dtype, one list per request).
 
     In float32 (the interpreter) every rung must give ``expected`` exactly. In 16 bits (``dtype``, with
-    ``model_path`` and the text ``prompts``) a rung may part from it at a **near-tie**: where the two first part,
-    the float64 logits of their two tokens must differ by no more than the 16-bit rounding allows there
-    (:func:`lessonlib.testing.tolerance`, from transformers' own 16-bit error at that position), and one of them must
-    be within that of the float64 best. Each summation order rounds differently, and random-ish weights give close
-    calls; any wider gap is a wrong token and raises. transformers' models are loaded only if some rung parts."""
+    ``model_path`` and the text ``prompts``) a rung may part from it at a **near-tie**
+    (:func:`lessonlib.serving.greedy_parity.near_tie_gap`): where the two first part, the float64 logits of their two
+    tokens differ by no more than the 16-bit rounding allows there, and one of them is within that of the float64
+    best. Each summation order rounds differently, and random-ish weights give close calls; any wider gap is a wrong
+    token and raises. transformers' models are loaded only if some rung parts."""
     sixteen_bits = dtype in (torch.float16, torch.bfloat16)
     if sixteen_bits and (model_path is None or prompts is None):
         raise ValueError("show_live_ladder: in 16 bits it needs model_path and prompts to judge near-ties")
@@ -243,12 +242,8 @@ class _NearTieJudge:
         self.prompts, self.dtype = prompts, dtype
 
     def __call__(self, request: int, generated: list[int], a: int, b: int) -> tuple[float, float]:
+        """(gap, allowed) where request ``request`` parts after ``generated``: :func:`near_tie_gap`."""
         ids = torch.tensor([self.tokenizer(self.prompts[request]).input_ids + list(generated)],
                            device=self.truth.device)
         with torch.inference_mode():
-            truth = self.truth(ids).logits[0, -1].double()
-            low = self.low(ids).logits[0, -1].double()
-        allowed = tolerance(truth, low, self.dtype)
-        if max(truth[a], truth[b]) < truth.max() - allowed:  # neither is a contender: not a near-tie of the best
-            return float("inf"), allowed
-        return abs(truth[a] - truth[b]).item(), allowed
+            return near_tie_gap(self.truth(ids).logits[0, -1], self.low(ids).logits[0, -1], a, b, self.dtype)

@@ -49,6 +49,22 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def near_tie_gap(truth: torch.Tensor, low: torch.Tensor, a: int, b: int, dtype: torch.dtype) -> tuple[float, float]:
+    """Two greedy decodings part here: one picks token ``a``, the other ``b``, after the same context. ``truth``: the
+    float64 logits there; ``low``: transformers' logits there in the decodings' 16-bit ``dtype``. Returns (gap,
+    allowed): the float64 gap between the two tokens' logits, and what rounding in ``dtype`` allows at this position
+    (:func:`lessonlib.testing.tolerance`, from transformers' own error against float64 here). A **near-tie** when
+    gap <= allowed. The gap is infinite when neither token is within ``allowed`` of the float64 best: then both
+    decodings are wrong, not close."""
+    from lessonlib.testing import tolerance
+
+    truth, low = truth.double(), low.double()
+    allowed = tolerance(truth, low, dtype)
+    if max(truth[a], truth[b]) < truth.max() - allowed:
+        return float("inf"), allowed
+    return abs(truth[a] - truth[b]).item(), allowed
+
+
 def check_greedy_parity(llm, prompts: Sequence[str], max_tokens: int = 48) -> None:
     """vLLM's greedy tokens must equal transformers' on the same model, in the engine's dtype, token for token.
     Raises AssertionError naming the first difference; prints one line when they agree."""
