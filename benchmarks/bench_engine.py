@@ -7,10 +7,10 @@ vocabulary 128256, tied embeddings; built here with transformers' LlamaConfig, n
 local checkpoint the engine loads. 128-token random prompts, 128 new tokens (greedy, no early stop), batch 1, 8, 32.
 Peers in the same run: transformers ``generate`` with its default dynamic cache (eager), and with its static cache
 (``cache_implementation="static"``, which compiles the forward; warmed up at the timed shapes first), and the
-engine with and without CUDA graphs (``enforce_eager=True``), the engine with CUDA graphs but the host waiting for
-each step's tokens before scheduling the next (``Features(async_scheduling=False)``), and at batch 1 the engine
-with CUDA graphs but cuBLAS for its projections (``Features(gemv=False)``: what ``ops.gemv`` and its programmatic
-dependent launch give).
+engine with and without CUDA graphs (``enforce_eager=True``, which keeps asynchronous scheduling), the engine with
+CUDA graphs but the host waiting for each step's tokens before scheduling the next
+(``Features(async_scheduling=False)``), and at batch 1 the engine with CUDA graphs but cuBLAS for its projections
+(``Features(gemv=False)``: what ``ops.gemv`` and its programmatic dependent launch give).
 
 Checks first: the engine's logits at the prefill and the first decode steps against transformers in float64 (the
 truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (lessonlib.testing's rule), and greedy

@@ -93,11 +93,17 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
 
 
 def _move_into_place(built: Path, final: Path, overwrite: bool) -> Path:
-    """Rename the finished folder ``built`` to ``final``. A folder already there is replaced when ``overwrite`` or
-    when it holds no weights (a build that died half-way); a complete one that another process moved there first
-    is kept, and ``built`` dropped."""
+    """Rename the finished folder ``built`` to ``final``. A folder already there is moved aside and deleted when
+    ``overwrite`` or when it holds no weights (a build that died half-way); a complete one that another process moved
+    there first is kept, and ``built`` dropped."""
+    built.chmod(0o755)  # mkdtemp's folder is private to its owner; the model is not
     if final.exists() and (overwrite or not (final / "model.safetensors").exists()):
-        shutil.rmtree(final, ignore_errors=True)
+        aside = Path(tempfile.mkdtemp(prefix=f".{final.name}-old-", dir=final.parent))
+        try:
+            final.rename(aside / final.name)  # a rename, so no reader ever sees it half deleted
+        except OSError:  # another process moved it first
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
     try:
         built.rename(final)
     except OSError:  # another process's build got there first

@@ -141,6 +141,7 @@ def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp
 
     # A step that fails half-way frees everything (and forgets the prefix cache, which it may have half written).
     # It fails at the second decode step, launched while the first still runs (asynchronous scheduling).
+    before = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     real_decode, decodes = llm.runner.decode, []
 
     def failing_decode(seqs, previous_rows=None):
@@ -154,12 +155,20 @@ def test_bad_input_is_refused_clearly_and_the_engine_stays_usable(path, llm, tmp
     try:
         with pytest.raises(RuntimeError, match="injected failure"):
             llm.generate(["Hello, my name is"], SamplingParams(temperature=0.0, max_tokens=3))
+        decodes.clear()
+        seq = llm.add_request([5, 6], SamplingParams(temperature=0.0, max_tokens=4))  # the same, step by step
+        with pytest.raises(RuntimeError, match="injected failure"):
+            while llm.has_unfinished_requests():
+                llm.step()
     finally:
         llm.runner.decode = real_decode
+    # Its prefill's token only: the first decode step's token had not reached the host, and never will.
+    aborted = llm.output(seq).outputs[0]
+    assert aborted.finish_reason == "abort" and len(aborted.token_ids) == 1 and min(aborted.token_ids) >= 0
     assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
     assert not llm.block_manager.allocator.block_with
-    out = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=1))
-    assert len(out[0].outputs[0].token_ids) == 1 and llm.num_blocks_in_use() == 0
+    after = llm.generate([[7, 8, 9]], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert after[0].outputs[0].token_ids == before[0].outputs[0].token_ids and llm.num_blocks_in_use() == 0
 
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
@@ -176,12 +185,14 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
                          features=Features(async_scheduling=name == "ahead")) for name in ("sync", "ahead")}
     rng = random.Random()
     vocab = engines["sync"].config.vocab_size
-    prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (14, 9, 20, 5)]  # 14 + 6 tokens: a full block
     lengths = [6, 3, 5, 4]
-    free = engines["sync"].generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                                              for n in lengths])
-    first = free[0].outputs[0].token_ids
-    stop_at = next(i for i in range(2, 6) if first[i] not in first[:i])  # its first occurrence: the stop
+    stop_at = None
+    while stop_at is None:  # the first request's stop token: one of its tokens 2..5 that it has not emitted before
+        prompts = [[rng.randrange(3, vocab) for _ in range(n)] for n in (14, 9, 20, 5)]  # 14 + 6 tokens: a full block
+        free = engines["sync"].generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                                                  for n in lengths])
+        first = free[0].outputs[0].token_ids
+        stop_at = next((i for i in range(2, 6) if first[i] not in first[:i]), None)
     params = [SamplingParams(temperature=0.0, max_tokens=lengths[0])] + [
         SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths[1:]]
     ahead_steps = []
@@ -192,6 +203,12 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
             ahead_steps.append(name) if name == "ahead" else None) or f(ends)
     outs = {name: llm.generate(prompts, params) for name, llm in engines.items()}
     assert len(ahead_steps) >= 5 and "sync" not in ahead_steps
+    # Alone, the first request's stop token is met by a step that already has a successor in flight: that step's
+    # row is wasted (skipped when it completes, its token dropped), and nothing else differs.
+    alone = {name: llm.generate(prompts[:1], params[0])[0].outputs[0] for name, llm in engines.items()}
+    assert alone["ahead"].token_ids == alone["sync"].token_ids == first[:stop_at + 1]
+    rows = {name: sum(s.num_seqs for s in llm.steps if s.kind == "decode") for name, llm in engines.items()}
+    assert rows == {"sync": stop_at, "ahead": stop_at + 1}
     assert outs["sync"][0].outputs[0].token_ids == first[:stop_at + 1]
     assert outs["sync"][0].outputs[0].finish_reason == "stop"
     for a, b in zip(outs["sync"], outs["ahead"]):
@@ -213,6 +230,66 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
         again = llm.generate(later, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         assert again[0].num_cached_tokens == 16, name
         assert again[0].outputs[0].token_ids == want, name
+
+
+@pytest.mark.parametrize("scenario", ["queue", "stop token", "preemption", "static batching", "sampled",
+                                      "cache limit"])
+def test_scheduling_ahead_keeps_the_synchronous_schedule(path, scenario):
+    """The engine with and without asynchronous scheduling, on workloads where the next step's decision could depend
+    on tokens the host has not seen: the same tokens and finish reasons, and (but for a stop token's one extra row)
+    the same steps with the same batches, so admission is not delayed. On the GPU with CUDA graphs, where the
+    overlap is real: the tokens must be identical too, since both engines run the same batches through the same
+    kernels (but for the stop token, whose extra row changes a batch). In the interpreter with plain-PyTorch
+    features (the scheduling is what is tested; each step is fast)."""
+    from dataclasses import replace
+
+    from lessonlib.engine import Features
+    from lessonlib.engine.features import PLAIN_PYTORCH
+
+    if scenario == "stop token" and runtime.on_gpu():
+        pytest.skip("a stop token's extra row changes one step's batch size; in 16 bits another size may run another "
+                    "GEMM kernel and flip a near-tie: the interpreter checks this scenario in float32")
+    base = Features() if runtime.on_gpu() else replace(PLAIN_PYTORCH, continuous_batching=True)
+    engine = {"max_num_seqs": 4, "num_blocks": 32, "max_model_len": 256}
+    rng = random.Random()
+    count = 6
+    lengths = [rng.randrange(2, 12) for _ in range(count)]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+    if scenario == "preemption":
+        engine["num_blocks"] = 5  # six prompts of 14-15 tokens that grow past their first block
+    elif scenario == "static batching":
+        base = replace(base, continuous_batching=False)
+    elif scenario == "sampled":
+        params = [replace(p, temperature=0.8, seed=i) if i % 2 else p for i, p in enumerate(params)]
+    elif scenario == "cache limit":
+        engine["max_model_len"] = 20  # every request stops at the cache's end, at 5-6 new tokens
+        params = [replace(p, max_tokens=16) for p in params]
+    prompts = [[rng.randrange(3, 256) for _ in range(rng.randrange(14, 16))] for _ in range(count)]
+    engines = {on: LLM(model=str(path), dtype=DTYPE, features=replace(base, async_scheduling=on), **engine)
+               for on in (False, True)}
+    if scenario == "stop token":  # a token the first request meets mid-run ends it (and any other that meets it)
+        first = engines[False].generate(prompts[:1], params[0])[0].outputs[0].token_ids
+        for llm in engines.values():
+            llm.config = replace(llm.config, eos_token_ids=(first[len(first) // 2],))
+        params = [replace(p, ignore_eos=False) for p in params]
+    outs = {on: llm.generate(prompts, params) for on, llm in engines.items()}
+    for a, b in zip(outs[False], outs[True]):
+        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason, a.num_preemptions) == \
+               (b.outputs[0].token_ids, b.outputs[0].finish_reason, b.num_preemptions), scenario
+    schedule = {on: [(s.kind, s.num_seqs, s.cached_tokens) for s in llm.steps] for on, llm in engines.items()}
+    if scenario == "stop token":
+        stopped = sum(o.outputs[0].finish_reason == "stop" for o in outs[False])
+        rows = {on: sum(n for kind, n, _ in steps if kind == "decode") for on, steps in schedule.items()}
+        assert stopped >= 1 and rows[True] - rows[False] <= stopped
+    else:
+        assert schedule[True] == schedule[False], scenario
+    if scenario == "preemption":
+        assert sum(o.num_preemptions for o in outs[False]) >= 1
+    if scenario == "cache limit":
+        assert {o.outputs[0].finish_reason for o in outs[False]} == {"length"}
+        assert all(len(p) + len(o.outputs[0].token_ids) == 20 for p, o in zip(prompts, outs[False]))
+    for llm in engines.values():
+        assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
 
 
 def test_seeded_sampling_is_reproducible_and_top_p_keeps_the_nucleus(llm):

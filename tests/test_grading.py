@@ -362,6 +362,11 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
         nbgrader(course, "autograde", assignment, "--Execute.timeout=300")
         return course
 
+    both = tmp_path / "both"  # one course folder for several lessons (what an instructor sets up)
+    assert make_student_notebooks.nbgrader_course(both, [NOTEBOOKS / PAGED, NOTEBOOKS / GRAPHS]) == [
+        "03_paged_attention", "05_cuda_graphs"]
+    assert {p.name for p in (both / "source").iterdir()} == {"03_paged_attention", "05_cuda_graphs"}
+    assert "'name': '03_paged_attention'}, {'name': '05_cuda_graphs'" in (both / "nbgrader_config.py").read_text()
     with ThreadPoolExecutor(max_workers=2) as pool:
         courses = dict(zip((PAGED, GRAPHS), pool.map(release_and_grade, (PAGED, GRAPHS))))
     from nbgrader.api import Gradebook

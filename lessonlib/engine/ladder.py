@@ -44,7 +44,8 @@ class RungRun:
 
 
 def rungs_here() -> list[tuple[str, Features]]:
-    """The ladder's rungs that differ on this machine: without a GPU, "+ CUDA graphs" runs eager, the rung below."""
+    """The ladder's rungs that differ on this machine: without a GPU, "+ CUDA graphs" runs eager, the rung below, and
+    is left out (the asynchronous scheduling that comes with it then comes with the top rung)."""
     return [(label, f) for label, f in ladder() if runtime.on_gpu() or label != Impl.RUNG_CUDA_GRAPHS]
 
 

@@ -52,6 +52,7 @@ class Launched:
     new_tokens: int
     cached: int
     started: float
+    record: dict  # what StepRecord reports about the scheduler's state, taken at launch (just after scheduling)
 
 
 @dataclass
@@ -59,7 +60,7 @@ class StepRecord:
     """One engine step, for the lesson's timeline and block-usage plots."""
 
     kind: str  # "prefill" or "decode"
-    num_seqs: int
+    num_seqs: int  # rows the step ran (with scheduling ahead, a request that met a stop token runs one step more)
     num_tokens: int  # tokens run through the model (a prefill's cached prefix not counted)
     cached_tokens: int  # prompt tokens served from the prefix cache (prefill steps)
     blocks_used: int  # after scheduling: blocks held by running sequences (and idle cached blocks not counted)
@@ -207,6 +208,8 @@ class LLM:
         except BaseException:
             self._in_flight = None
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
+                while seq.token_ids and seq.token_ids[-1] == PENDING:  # tokens that will never arrive
+                    seq.token_ids.pop()
                 self.sampler.forget(seq.seq_id)
             self.scheduler.abort_all()
             raise
@@ -226,8 +229,13 @@ class LLM:
         new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
         for seq in seqs:
             seq.token_ids.append(PENDING)
+        running = self.scheduler.running
+        record = {"blocks_used": self.block_manager.num_used,
+                  "blocks_reserved": sum(self.block_manager.blocks_for(min(s.num_prompt_tokens + s.params.max_tokens,
+                                                                           self.max_model_len)) for s in running),
+                  "waiting": len(self.scheduler.waiting)}
         return Launched(seqs, is_prefill, self.runner.host_tokens.send(tokens), [len(s) - 1 for s in seqs],
-                        new_tokens, cached, started)
+                        new_tokens, cached, started, record)
 
     def _may_leave_running(self, launched: Launched) -> bool:
         """A step may run on while the next is scheduled when that step could take its tokens on the GPU: a decode
@@ -253,13 +261,10 @@ class LLM:
                 self.sampler.forget(seq.seq_id)
                 finished.append(seq)
         now = time.perf_counter()
-        running = self.scheduler.running
         self.steps.append(StepRecord(
             "prefill" if launched.is_prefill else "decode", len(launched.seqs), launched.new_tokens, launched.cached,
-            self.block_manager.num_used,
-            sum(self.block_manager.blocks_for(min(s.num_prompt_tokens + s.params.max_tokens, self.max_model_len))
-                for s in running),
-            len(self.scheduler.waiting), self.scheduler.num_preemptions, now - max(launched.started, self._last_done)))
+            **launched.record, preemptions=self.scheduler.num_preemptions,
+            seconds=now - max(launched.started, self._last_done)))
         self._last_done = now
         return finished
 

@@ -40,7 +40,7 @@ class Sampler:
         self._generators.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], temperatures: list[float],
-                 top_ps: list[float], greedy: torch.Tensor | None = None) -> list[int]:
+                 top_ps: list[float], greedy: torch.Tensor | None = None) -> torch.Tensor:
         """logits: (B, V) float32; greedy: (B,) each row's argmax if the step computed it already (the engine's
         runner does, on the GPU). Returns the B token ids as a (B,) int64 tensor on the logits' device: a greedy
         batch is sampled without the host waiting for the GPU."""

@@ -10,13 +10,17 @@ blocks the prefix cache already holds). First come, first served: a request that
 
 When a decode step needs a block and none is free, the most recently admitted sequence is *preempted*: its blocks
 are freed and it goes back to the front of the queue, to be recomputed (prompt and generated tokens as one new
-prompt) when blocks free up. Nothing is ever half-allocated and no block is ever written by two sequences.
+prompt) when blocks free up. Nothing is ever half-allocated, and no block is written by two sequences out of order:
+every step runs on one CUDA stream, so a step launched after a block changed hands runs after every earlier step
+that wrote it (with scheduling ahead, a request that met a stop token may still be writing its last block when the
+host frees it; only later steps can be given that block).
 
 *Scheduling ahead* (:meth:`Scheduler.schedule_ahead`, the engine's ``async_scheduling``): the next decode step is
 scheduled while the current one runs on the GPU, before its tokens reach the host. Each running sequence's last
 token is then a placeholder whose position, not value, is known, which is all the block bookkeeping needs. It
 declines (the engine then waits for the tokens and schedules as above) whenever the decision could depend on them:
-a request might be admitted, or a sequence needs a block and none is free.
+a request might be admitted (now, or once a sequence that ends by length has left), or a sequence needs a block and
+none is free.
 
 ``continuous=False`` is *static batching*, the ladder's rung below continuous batching: waiting requests are admitted
 only when no sequence is running, so a batch runs until its longest request ends and the seats of the finished ones
@@ -101,11 +105,13 @@ class Scheduler:
         """The next decode step, scheduled while the current step runs: every running sequence except those
         ``ends`` says its pending token finishes (by length; a stop token is only seen when the token arrives, so
         such a sequence runs one step too many and its extra token is dropped). Empty when the tokens must come
-        first: the head of the queue could be admitted now, or the blocks the step needs are not free."""
-        may_admit = self.continuous or not self.running
-        if self.waiting and may_admit and self.can_admit(self.waiting[0], len(self.running), 0):
-            return []
+        first: the head of the queue could be admitted now, or a sequence ends by length (its seat and blocks free
+        up, and the synchronous engine would admit at the next step), or the blocks the step needs are not free."""
         batch = [seq for seq in self.running if not ends(seq)]
+        may_admit = self.continuous or not batch
+        if self.waiting and may_admit and (len(batch) < len(self.running)
+                                           or self.can_admit(self.waiting[0], len(self.running), 0)):
+            return []
         if not batch or sum(self.blocks.needs_block(seq) for seq in batch) > self.blocks.num_free:
             return []
         for seq in batch:
