@@ -21,7 +21,8 @@ step takes beyond the graph's GPU time, i.e. the GPU idle while the host works) 
 Then the tokens/s ladder (lesson 07): the engine with each course step switched on in turn (plain PyTorch, + fused
 ops, + FlashAttention prefill, + paged decode, + CUDA graphs with asynchronous scheduling, + continuous batching;
 lessonlib.engine.features), on a workload where batching policy matters: 64 requests for 32 seats, 128-token
-prompts, each request's max_tokens drawn from 16..256 (seeded), no early stop. Every rung serves the same requests; tokens/s = output tokens / wall time.
+prompts, each request's max_tokens drawn from 16..256 (seeded), no early stop. Every rung serves the same requests;
+tokens/s = output tokens / wall time.
 ``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown; a
 ladder of 3 requests for 2 seats).
 """
@@ -154,8 +155,10 @@ def first_divergence(ours, theirs, prompts, truth_model, low_model, dtype) -> di
             continue
         ids = torch.tensor([prompt + a[:i]], device=runtime.device())
         with torch.inference_mode():
-            gap, allowed = near_tie_gap(truth_model(ids).logits[0, -1], low_model(ids).logits[0, -1], a[i], b[i], dtype)
-        report["diverged"].append({"at_token": i, "logit_gap_fp64": gap, "allowed": allowed, "near_tie": gap <= allowed})
+            truth, low = truth_model(ids).logits[0, -1], low_model(ids).logits[0, -1]
+        gap, allowed = near_tie_gap(truth, low, a[i], b[i], dtype)
+        report["diverged"].append({"at_token": i, "logit_gap_fp64": gap, "allowed": allowed,
+                                   "near_tie": gap <= allowed})
     report["all_divergences_near_ties"] = all(d["near_tie"] for d in report["diverged"])
     return report
 
@@ -231,12 +234,12 @@ def benchmark(run, out, folder, started):
     engines[Impl.ENGINE_EAGER] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
                                      enforce_eager=True)
     if engines[Impl.ENGINE_GRAPHS].cuda_graphs:
-        engines[Impl.ENGINE_GRAPHS_SYNC] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
-                                               features=Features(async_scheduling=False))
-    if engines[Impl.ENGINE_GRAPHS].cuda_graphs and 1 in batches:
-        engines[Impl.ENGINE_GRAPHS_CUBLAS] = LLM(path, dtype=run.dtype, max_num_seqs=1, max_model_len=max_len,
-                                                 features=Features(gemv=False))
-    if not engines[Impl.ENGINE_GRAPHS].cuda_graphs:
+        engines[Impl.ENGINE_GRAPHS_SYNC] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches),
+                                               max_model_len=max_len, features=Features(async_scheduling=False))
+        if 1 in batches:
+            engines[Impl.ENGINE_GRAPHS_CUBLAS] = LLM(path, dtype=run.dtype, max_num_seqs=1, max_model_len=max_len,
+                                                     features=Features(gemv=False))
+    else:
         del engines[Impl.ENGINE_GRAPHS]  # on CPU: no graphs, the two engines would be one
     run.notes["programmatic_dependent_launch"] = pdl()
     print(f"built and loaded in {time.perf_counter() - started:.0f} s", flush=True)

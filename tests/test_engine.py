@@ -37,6 +37,16 @@ def transformers_greedy(path, prompts, max_tokens):
     return serving.hf_greedy(str(path), prompts, max_tokens=max_tokens, dtype=DTYPE)
 
 
+def transformers_greedy_ids(path, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuations of prompts given as token ids (no stop token)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
+    with torch.inference_mode():
+        return [model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
+                               pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]
+
+
 def assert_same_tokens(outs, expected, prompts):
     for out, want, prompt in zip(outs, expected, prompts):
         got = out.outputs[0].token_ids
@@ -109,13 +119,7 @@ def test_preemption_and_waiting_under_a_tiny_block_budget(path):
     assert max(step.blocks_used for step in llm.steps) <= 4
     assert llm.num_blocks_in_use() == 0
     # Recomputed requests give the tokens transformers gives.
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
-    for prompt, out in zip(prompts, outs):
-        with torch.inference_mode():
-            want = model.generate(torch.tensor([prompt]), max_new_tokens=5, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0)[0, len(prompt):].tolist()
+    for out, want in zip(outs, transformers_greedy_ids(path, prompts, 5)):
         assert out.outputs[0].token_ids == want
 
 
@@ -212,7 +216,8 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
     assert outs["sync"][0].outputs[0].token_ids == first[:stop_at + 1]
     assert outs["sync"][0].outputs[0].finish_reason == "stop"
     for a, b in zip(outs["sync"], outs["ahead"]):
-        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == (b.outputs[0].token_ids, b.outputs[0].finish_reason)
+        assert (a.outputs[0].token_ids, a.outputs[0].finish_reason) == \
+               (b.outputs[0].token_ids, b.outputs[0].finish_reason)
     for out, want in zip(outs["sync"][1:], free[1:]):
         assert out.outputs[0].token_ids == want.outputs[0].token_ids
     for llm in engines.values():
@@ -220,12 +225,7 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
     # The first request's first block (14 prompt tokens, then 2 generated) was filled by decode steps: registered
     # in the prefix cache once their tokens reached the host, and found by a later prompt that starts the same way.
     later = [prompts[0] + first[:2] + [3]]
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
-    with torch.inference_mode():
-        want = model.generate(torch.tensor(later), max_new_tokens=2, do_sample=False, eos_token_id=None,
-                              pad_token_id=0)[0, len(later[0]):].tolist()
+    want = transformers_greedy_ids(path, later, 2)[0]
     for name, llm in engines.items():
         again = llm.generate(later, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
         assert again[0].num_cached_tokens == 16, name
@@ -377,7 +377,8 @@ def test_the_batch_1_summary_reads_the_recorded_run():
     engine = recorded.select(op="generate", impl="lessonlib engine, CUDA graphs", batch=1)[0]
     sync = recorded.select(op="engine_steps", impl="lessonlib engine, CUDA graphs, synchronous scheduling", batch=1)[0]
     text = batch_1_summary(recorded)
-    assert f"{engine['tokens_per_s']:,.0f} tokens/s" in text and f"{sync['decode_step_us']:,.0f} µs with the host" in text
+    assert f"{engine['tokens_per_s']:,.0f} tokens/s" in text
+    assert f"{sync['decode_step_us']:,.0f} µs with the host" in text
     del recorded.notes["weight_read_limit_tokens_per_s_batch_1"]
     assert "predates" in batch_1_summary(recorded)
 

@@ -179,11 +179,11 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     am = _sys.modules["lessonlib.ops.argmax"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
     gv = _sys.modules["lessonlib.ops.gemv"]
-    from lessonlib.ops._common import gdc_wait
+    from lessonlib.ops._common import pdl_supported
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
-    # Programmatic dependent launch, as the launchers use it on sm_90 and newer (where this Triton has it).
-    pdl = {"PDL": True, "launch_pdl": True} if profile.capability >= (9, 0) and gdc_wait is not None else {}
+    # Programmatic dependent launch, as the launchers use it where it is supported (pdl_options on that GPU).
+    pdl = {"PDL": True, "launch_pdl": True} if pdl_supported(profile) else {}
     f32 = torch.float32
     all_dtypes = dtypes_for(profile)
     half = tuple(d for d in all_dtypes if d.itemsize == 2)

@@ -52,7 +52,8 @@ def ladder() -> list[tuple[str, Features]]:
     """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
     rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
     for names, label in ((("fused_ops", "gemv"), Impl.RUNG_FUSED_OPS), (("flash_prefill",), Impl.RUNG_FLASH_PREFILL),
-                         (("paged_decode",), Impl.RUNG_PAGED_DECODE), (("cuda_graphs", "async_scheduling"), Impl.RUNG_CUDA_GRAPHS),
+                         (("paged_decode",), Impl.RUNG_PAGED_DECODE),
+                         (("cuda_graphs", "async_scheduling"), Impl.RUNG_CUDA_GRAPHS),
                          (("continuous_batching",), Impl.RUNG_CONTINUOUS_BATCHING)):
         features = replace(features, **dict.fromkeys(names, True))
         rungs.append((label, features))

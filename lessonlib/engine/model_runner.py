@@ -69,6 +69,7 @@ class DecodeInputs:
         self.rows, self.max_blocks, self.pad_block, self.block_size = rows, max_blocks, pad_block, block_size
         int64_bytes, int32_bytes = self.INT64_ROWS * rows * 8, rows * (1 + max_blocks) * 4
         self.hosts = [torch.zeros(int64_bytes + int32_bytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
+        self._arrays = [self._numpy_views(host, int64_bytes) for host in self.hosts]
         self.device_buffer = torch.zeros(rows * 8 + int64_bytes + int32_bytes, dtype=torch.uint8, device=device)
         self.device_sent = self.device_buffer[rows * 8:]  # what a host buffer is copied onto
         device_ints = self.device_buffer[:rows * 8 + int64_bytes].view(torch.int64)
@@ -82,12 +83,16 @@ class DecodeInputs:
             self._pad(rows)
             self._send()
 
-    def _host(self) -> tuple:
-        """This turn's host arrays (numpy views): ids, positions, slots, sources, lengths, block tables."""
-        host, int64_bytes = self.hosts[self.turn], self.INT64_ROWS * self.rows * 8
+    def _numpy_views(self, host: torch.Tensor, int64_bytes: int) -> tuple:
+        """One host buffer's arrays (numpy views of its bytes): ids, positions, slots, sources, lengths, block
+        tables."""
         ids, positions, slots, sources = host[:int64_bytes].view(torch.int64).view(self.INT64_ROWS, self.rows).numpy()
         int32 = host[int64_bytes:].view(torch.int32).numpy()
         return ids, positions, slots, sources, int32[:self.rows], int32[self.rows:].reshape(self.rows, self.max_blocks)
+
+    def _host(self) -> tuple:
+        """This turn's host arrays."""
+        return self._arrays[self.turn]
 
     def views(self, rows: int) -> dict[str, torch.Tensor]:
         """The first ``rows`` rows of the device buffers, by StepContext's names (and the token sources)."""
@@ -305,7 +310,7 @@ class ModelRunner:
             groups.append((rows, len(members), n))
         return groups
 
-    # --- decode ---------------------------------------------------------------------------------------------
+    # --- decode ------------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence], previous_rows: list[int | None] | None = None) -> StepOutput:
         """One new token per sequence: feed each one's last token (from the previous decode step's row

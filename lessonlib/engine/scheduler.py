@@ -108,10 +108,9 @@ class Scheduler:
         first: the head of the queue could be admitted now, or a sequence ends by length (its seat and blocks free
         up, and the synchronous engine would admit at the next step), or the blocks the step needs are not free."""
         batch = [seq for seq in self.running if not ends(seq)]
-        may_admit = self.continuous or not batch
-        if self.waiting and may_admit and (len(batch) < len(self.running)
-                                           or self.can_admit(self.waiting[0], len(self.running), 0)):
-            return []
+        if self.waiting and self.continuous and (len(batch) < len(self.running)
+                                                 or self.can_admit(self.waiting[0], len(self.running), 0)):
+            return []  # (static batching admits only once nothing runs: then the batch is empty, below)
         if not batch or sum(self.blocks.needs_block(seq) for seq in batch) > self.blocks.num_free:
             return []
         for seq in batch:

@@ -120,10 +120,15 @@ def pdl() -> bool:
     its wait (nothing in a decode step writes them); every other kernel waits first
     (:func:`pdl_wait_then_trigger`). Elsewhere (the interpreter, a T4, an emulated T4) the kernels take the plain
     path: their ``PDL`` constexpr is False and the calls are compiled out."""
-    if gdc_wait is None or os.environ.get("LESSONLIB_PDL", "1").strip() == "0":
+    if os.environ.get("LESSONLIB_PDL", "1").strip() == "0" or runtime.mode() != "gpu":
         return False
-    profile = runtime.gpu_profile()
-    return profile is not None and runtime.mode() == "gpu" and profile.capability >= (9, 0)
+    return pdl_supported(runtime.gpu_profile())
+
+
+def pdl_supported(profile: runtime.GPUProfile | None) -> bool:
+    """Whether kernels built for this GPU can use programmatic dependent launch: Hopper (sm_90) or newer, and a
+    Triton with grid dependency control. :func:`pdl` adds whether this process launches kernels on it at all."""
+    return gdc_wait is not None and profile is not None and profile.capability >= (9, 0)
 
 
 def pdl_options() -> dict:
