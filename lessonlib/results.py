@@ -255,6 +255,7 @@ class Results:
     ceilings: dict
     records: list
     notes: dict
+    path: Path | None = None  # the file :func:`load` read it from; None for a run not saved yet
 
     def select(self, **where) -> list[dict]:
         """Records whose fields equal every ``where`` item; a shape key may be given directly (``T=8192``)."""
@@ -272,9 +273,18 @@ class Results:
         return found[0]
 
     def provenance(self) -> str:
+        """The GPU, the versions, the date, and for a loaded file that file and the command that rewrites it. The
+        recorded command names where the run wrote on its own machine (``--out /root/out/x.json``); a reader needs
+        the file the numbers are read from, so a committed file is named by its path in the repository and the
+        command's ``--out`` points there (the rest of the command is the one that ran)."""
         env = self.environment
-        return (f"recorded on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}; "
-                f"command: {self.command}")
+        head = f"recorded on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}"
+        if self.path is None:
+            return f"{head}; command: {self.command}"
+        path = Path(self.path).resolve()
+        file = f"lessonlib/results/{path.name}" if path.parent == RESULTS_DIR.resolve() else str(self.path)
+        command = re.sub(r"--out(=|\s+)\S+", lambda _: f"--out {file}", self.command)
+        return f"{head}; file: {file}; rerun: {command}"
 
     def recorded_ceilings(self) -> Ceilings:
         return Ceilings(self.ceilings["bandwidth_gbs"], self.ceilings["matmul_tflops"], self.provenance())
@@ -301,7 +311,7 @@ def load(name_or_path) -> Results:
         raise ValueError(f"{path}: not a {FORMAT} file (format={data.get('format')!r})")
     check_labels(data["records"], str(path))
     return Results(data["benchmark"], data["command"], data["environment"], data["ceilings"], data["records"],
-                   data.get("notes", {}))
+                   data.get("notes", {}), path)
 
 
 def find(name: str) -> Results | None:
