@@ -1,5 +1,9 @@
 """Lessons 02-05's recorded run beside the student's GPU (:mod:`lessonlib.widgets.recorded`): one panel per field,
-each implementation's recorded bar with, where measured, this GPU's hatched bar beside it."""
+each implementation's recorded bar with, where measured, this GPU's hatched bar under it.
+
+Horizontal bars, so that the implementations' long names ("lessonlib, tables validated every call") read on one
+line; a value the run has not (a peer that failed, a call a CUDA graph cannot hold) is drawn as a marker with the
+reason, not as a bar of height zero that looks like a measurement."""
 
 from __future__ import annotations
 
@@ -16,36 +20,71 @@ FIELD_LABELS = {Unit.TFLOPS: "TFLOP/s", Unit.GBPS: "GB/s from Python",
                 Unit.GRAPH_GBPS: "GB/s in a CUDA graph", Unit.US: "µs per call",
                 SPEEDUP: "speedup over eager", "launches": "kernel launches per step"}
 _OTHER_COLORS = ("#17becf", "#bcbd22", "#ff7f0e", "#e377c2")
+MISSING_COLOR = "#b2182b"
+FONT = 10  # the figure is shown at 72 dpi in JupyterLab: 10 points is 10 pixels
 
 
-def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, recorded_gpu: str, provenance: str):
-    """``recorded`` and ``live``: {impl: {field: value or None}}; a None value (the case failed there) has no bar."""
+def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, recorded_gpu: str, provenance: str,
+                     missing: dict | None = None):
+    """``recorded`` and ``live``: {impl: {field: value or None}}; ``missing``: {"recorded" or "live": {impl:
+    {field: why}}}, the reason each None value has (a None value without one says "not recorded")."""
     import matplotlib.pyplot as plt
 
     impls = list(recorded) + [i for i in (live or {}) if i not in recorded]
-    panel_width = max(6.5, 1.35 * len(impls))
-    fig, axes = plt.subplots(1, len(fields), figsize=(panel_width * len(fields), 4.2), squeeze=False)
     colors = {i: IMPL_COLORS.get(i, _OTHER_COLORS[n % len(_OTHER_COLORS)]) for n, i in enumerate(impls)}
-    sources = [(f"recorded, {recorded_gpu}", recorded, None)]
+    sources = [("recorded", f"recorded, {recorded_gpu}", recorded, None)]
     if live is not None:
-        sources.append((f"measured now, {gpu_name()}", live, "//"))
-    width = 0.8 / len(sources)
+        sources.append(("live", f"measured now, {gpu_name()}", live, "//"))
+    rows = max(1, len(impls)) * len(sources)
+    fig, axes = plt.subplots(1, len(fields), figsize=(2.6 + 4.4 * len(fields), 1.5 + 0.36 * rows), squeeze=False,
+                             sharey=True)
+    height = 0.8 / len(sources)
     for ax, field in zip(axes[0], fields):
-        for s, (label, values, hatch) in enumerate(sources):
-            xs = np.arange(len(impls)) + (s - (len(sources) - 1) / 2) * width
-            heights = [(values.get(i) or {}).get(field) for i in impls]
-            bars = ax.bar(xs, [h or 0 for h in heights], width=width * 0.95, hatch=hatch, label=label,
-                          color=[colors[i] for i in impls], edgecolor="white" if hatch else None)
-            for bar, h in zip(bars, heights):
-                text = "-" if h is None else f"{h:,.2f}x" if field == SPEEDUP else _number(h)
-                ax.text(bar.get_x() + bar.get_width() / 2, bar.get_height(), text, ha="center", va="bottom",
-                        fontsize=8)
-        ax.set_xticks(range(len(impls)), [textwrap.fill(i, 16) for i in impls], fontsize=8)
-        ax.set_ylabel(FIELD_LABELS[field])
-        if len(sources) > 1:
-            ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
-    return finish(fig, provenance, bottom=0.08)
+        top = max([v for _, _, values, _ in sources for v in _column(values, impls, field) if v is not None],
+                  default=1.0)
+        for s, (key, _, values, hatch) in enumerate(sources):
+            ys = np.arange(len(impls)) + (s - (len(sources) - 1) / 2) * height
+            for y, impl, value in zip(ys, impls, _column(values, impls, field)):
+                if value is None:
+                    why = ((missing or {}).get(key, {}).get(impl, {}).get(field)) or "not recorded"
+                    _missing_marker(ax, y, colors[impl], why, top)
+                    continue
+                ax.barh(y, value, height=height * 0.9, hatch=hatch, color=colors[impl],
+                        edgecolor="white" if hatch else None)
+                ax.text(value + 0.01 * top, y, _label(field, value), va="center", ha="left", fontsize=FONT - 1)
+        if field == SPEEDUP:
+            ax.axvline(1.0, color="black", lw=0.8, ls="--")  # the baseline itself
+        ax.set_xlim(0, top * 1.2)  # room for the values right of the bars
+        ax.set_xlabel(FIELD_LABELS[field], fontsize=FONT)
+        ax.tick_params(labelsize=FONT - 1)
+        ax.grid(True, axis="x", alpha=0.25)
+    axes[0][0].set_yticks(range(len(impls)), [textwrap.fill(i, 40) for i in impls], fontsize=FONT)
+    axes[0][0].set_ylim(len(impls) - 0.5, -0.5)  # the first implementation on top
+    if len(sources) > 1:
+        from matplotlib.patches import Patch
+
+        handles = [Patch(facecolor="#8c8c8c", hatch=hatch, edgecolor="white" if hatch else None, label=label)
+                   for _, label, _, hatch in sources]
+        fig.legend(handles=handles, loc="upper right", fontsize=FONT - 1, frameon=False, ncol=len(sources))
+    fig.suptitle(title, fontsize=FONT + 1, x=0.01, ha="left")
+    return finish(fig, provenance, bottom=0.4 / fig.get_figheight())  # two lines of footnote
+
+
+def _column(values: dict, impls, field) -> list:
+    return [(values.get(i) or {}).get(field) for i in impls]
+
+
+def _missing_marker(ax, y, color, why: str, top: float) -> None:
+    """No bar: a cross at zero in the implementation's colour, and the reason beside it (wrapped, at most two
+    lines; the printed text above the figure has it whole)."""
+    ax.plot([0], [y], marker="x", color=color, markersize=8, mew=2, clip_on=False, zorder=3)
+    lines = textwrap.wrap(why, 52)
+    text = "\n".join(lines[:2]) + ("…" if len(lines) > 2 else "")
+    ax.text(0.03 * top, y, text, va="center", ha="left", fontsize=FONT - 2, color=MISSING_COLOR, style="italic")
+
+
+def _label(field: str, value: float) -> str:
+    return f"{value:,.2f}x" if field == SPEEDUP else _number(value)
 
 
 def _number(value: float) -> str:

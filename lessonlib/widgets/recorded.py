@@ -24,6 +24,10 @@ from lessonlib.results import Benchmark, Impl, Op, Unit, is_sweep
 
 NO_GPU = ("measure on this GPU: skipped, there is no GPU here (Triton's interpreter times Python loops, which says "
           "nothing about a GPU kernel)")
+# Why a peer has no CUDA-graph time: the benchmarks leave out of the graph what cannot be captured in one.
+_HOST_SYNC = "wait for the GPU (a host sync), which a CUDA graph cannot hold"
+NOT_CAPTURED = {Impl.TABLES_VALIDATED: f"its table checks {_HOST_SYNC}",
+                Impl.SLOTS_VALIDATED: f"its slot checks {_HOST_SYNC}"}
 
 
 @dataclass(frozen=True)
@@ -52,9 +56,12 @@ class RecordedRun:
                 found[f"{rec['op']}, {shape_text(rec['shape'])}"] = (rec["op"], rec["shape"])
         return found
 
+    def _by_impl(self, records: list[dict], op: str, shape: dict) -> dict[str, dict]:
+        return {r["impl"]: r for r in records if r["op"] == op and r["shape"] == shape and self.shown(r)}
+
     def values(self, records: list[dict], op: str, shape: dict) -> dict[str, dict]:
         """{impl: {field: value}} of ``records`` at (op, shape); a failed record's value is None."""
-        by_impl = {r["impl"]: r for r in records if r["op"] == op and r["shape"] == shape and self.shown(r)}
+        by_impl = self._by_impl(records, op, shape)
         base = by_impl.get(self.baseline, {}).get(Unit.US)
         out = {}
         for impl in self.impls:
@@ -62,6 +69,27 @@ class RecordedRun:
                 rec = by_impl[impl]
                 out[impl] = {f: (base / rec[Unit.US] if base and rec.get(Unit.US) else None) if f == SPEEDUP
                              else rec.get(f) for f in self.fields}
+        return out
+
+    def missing(self, records: list[dict], op: str, shape: dict) -> dict[str, dict[str, str]]:
+        """{impl: {field: why}} for each value :meth:`values` gives as None: the error a failed peer recorded, or
+        why the field was never timed."""
+        by_impl = self._by_impl(records, op, shape)
+        out = {}
+        for impl, got in self.values(records, op, shape).items():
+            rec = by_impl[impl]
+            for field, value in got.items():
+                if value is not None:
+                    continue
+                if rec.get("error"):
+                    why = f"failed: {rec['error']}"
+                elif field == SPEEDUP:
+                    why = f"no {self.baseline} time at this shape to compare with"
+                elif field == Unit.GRAPH_GBPS and rec.get(Unit.US) is not None:
+                    why = "not timed: " + NOT_CAPTURED.get(impl, "the benchmark does not capture it in a CUDA graph")
+                else:
+                    why = "not recorded in this run"
+                out.setdefault(impl, {})[field] = why
         return out
 
     def live_shape(self, shape: dict) -> dict:
@@ -151,6 +179,7 @@ def show_recorded_run(lesson: RecordedRun, recorded: results.Results, case: str,
     impls = [i for i in lesson.impls if i in impls]
     shown = {"op": op, "shape": shape, "impls": impls, "live": None, "live_shape": None, "skipped": None}
     shown["recorded"] = {i: v for i, v in lesson.values(recorded.records, op, shape).items() if i in impls}
+    missing = {"recorded": lesson.missing(recorded.records, op, shape)}
     if measure_here and not runtime.on_gpu():
         shown["skipped"] = NO_GPU
     elif measure_here:
@@ -159,9 +188,12 @@ def show_recorded_run(lesson: RecordedRun, recorded: results.Results, case: str,
         if case not in cache:
             cache[case] = lesson.live(op, live_shape)
         shown["live"] = {i: v for i, v in lesson.values(cache[case], op, live_shape).items() if i in impls}
+        missing["live"] = lesson.missing(cache[case], op, live_shape)
+    shown["missing"] = {source: {i: why for i, why in reasons.items() if i in impls}
+                        for source, reasons in missing.items()}
     _print_shown(lesson, recorded, shown)
     plots.recorded_vs_live(shown["recorded"], shown["live"], lesson.fields, f"{op}, {shape_text(shape)}",
-                           recorded.environment["gpu"], recorded.provenance())
+                           recorded.environment["gpu"], recorded.provenance(), shown["missing"])
     return shown
 
 
@@ -172,11 +204,17 @@ def _print_shown(lesson: RecordedRun, recorded: results.Results, shown: dict) ->
         if impl not in shown["recorded"] and impl not in (shown["live"] or {}):
             continue  # not an implementation of this op (the GatedMLP's lessonlib is its own)
         parts = []
-        for source, values in ((recorded.environment["gpu"], shown["recorded"]), (here, shown["live"])):
-            if values is not None:
-                got = values.get(impl)
-                parts.append(f"{source}: " + (", ".join(_number(f, got[f]) for f in lesson.fields) if got else
-                                              "not timed"))
+        for source, key in ((recorded.environment["gpu"], "recorded"), (here, "live")):
+            values, why = shown[key], shown["missing"].get(key, {}).get(impl, {})
+            if values is None:
+                continue
+            got = values.get(impl)
+            if not got:
+                parts.append(f"{source}: not timed")
+            elif all(v is None for v in got.values()) and len(set(why.values())) == 1:  # one reason for them all
+                parts.append(f"{source}: {next(iter(why.values()))}")
+            else:
+                parts.append(f"{source}: " + ", ".join(_number(f, got[f], why.get(f)) for f in lesson.fields))
         print(f"{impl:{width}s} " + " | ".join(parts))
     if shown["skipped"]:
         print(shown["skipped"])
@@ -185,9 +223,9 @@ def _print_shown(lesson: RecordedRun, recorded: results.Results, shown: dict) ->
               f"GPU's memory (runtime.pick's smaller size), so compare rates, not times")
 
 
-def _number(field: str, value) -> str:
+def _number(field: str, value, why: str | None = None) -> str:
     if value is None:
-        return f"{FIELD_LABELS[field]} - (failed)"
+        return f"{FIELD_LABELS[field]}: {why or 'not recorded'}"
     if field == SPEEDUP:
         return f"{value:,.2f}x"
     return f"{value:,} {FIELD_LABELS[field]}" if isinstance(value, int) else f"{value:,.1f} {FIELD_LABELS[field]}"
@@ -204,9 +242,12 @@ def recorded_run_explorer(lesson: str, recorded: results.Results | None = None, 
     recorded = recorded if recorded is not None else results.load(spec.name)
     options = list(spec.cases(recorded))
     present = [i for i in spec.impls if any(r["impl"] == i for r in recorded.records)]
-    controls = {"case": w.Dropdown(options=options, value=case or options[0], description="case",
-                                   layout=w.Layout(width="560px")),
+    # Labels 130 px wide (ipywidgets' default, 80 px, cut "implementations" to "implemen..."), the list wide
+    # enough for the longest implementation's name.
+    style = {"description_width": "130px"}
+    controls = {"case": w.Dropdown(options=options, value=case or options[0], description="case", style=style,
+                                   layout=w.Layout(width="700px")),
                 "impls": w.SelectMultiple(options=present, value=tuple(present), description="implementations",
-                                          rows=len(present)),
-                "measure_here": w.Checkbox(value=False, description="measure on this GPU")}
+                                          rows=len(present), style=style, layout=w.Layout(width="520px")),
+                "measure_here": w.Checkbox(value=False, description="measure on this GPU", style=style)}
     return FigureView(show_recorded_run, controls, {"lesson": spec, "recorded": recorded, "live_cache": {}})
