@@ -67,25 +67,32 @@ def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 
     return records
 
 
-def plot_simulation(records: list[SimulatedStep], num_blocks: int, ax=None):
-    """KV blocks in use against what up-front reservation would hold, and the queue, step by step."""
-    _, ax = figure(ax, (10, 3.6))
+def plot_simulation(records: list[SimulatedStep], num_blocks: int, axes=None):
+    """Two panels over the same steps: KV blocks in use against what up-front reservation would hold (above), and
+    the requests running and waiting (below). Blocks and requests each get an axis of their own: drawn on one
+    axis and its twin, nothing said which scale a line was read on. Returns the two axes."""
+    if axes is None:
+        _, axes = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
+    blocks, queue = axes
     steps = [r.step for r in records]
-    ax.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", label="reserved up front (max length)")
-    ax.plot(steps, [r.blocks_used for r in records], color="tab:blue", label="in use (paged)")
-    ax.axhline(num_blocks, color="black", lw=0.8, ls="--", label=f"pool: {num_blocks} blocks")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("KV blocks")
-    queue = ax.twinx()
-    queue.plot(steps, [r.running for r in records], color="tab:green", lw=0.8, label="running")
-    queue.plot(steps, [r.waiting for r in records], color="tab:red", lw=0.8, label="waiting")
-    queue.set_ylabel("requests")
-    lines = ax.get_legend_handles_labels()
-    more = queue.get_legend_handles_labels()
-    ax.legend(lines[0] + more[0], lines[1] + more[1], loc="upper left", fontsize=8, ncol=2)
+    blocks.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", lw=1.5,
+                label="reserved up front\n(each request's max length)")
+    blocks.plot(steps, [r.blocks_used for r in records], color="tab:blue", lw=2, label="in use (paged)")
+    blocks.axhline(num_blocks, color="black", lw=0.9, ls="--", label=f"the pool: {num_blocks} blocks")
+    blocks.set_ylabel("KV blocks")
     last = records[-1]
-    ax.set_title(f"{last.preemptions} preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache")
-    return ax
+    blocks.set_title(f"{last.preemptions} preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache")
+    queue.step(steps, [r.running for r in records], where="post", color="tab:green", lw=1.5, label="running")
+    queue.fill_between(steps, [r.waiting for r in records], step="post", color="tab:red", alpha=0.35, lw=0,
+                       label="waiting")
+    queue.set_ylabel("requests")
+    queue.set_xlabel("engine step")
+    queue.set_ylim(bottom=0)
+    for ax in axes:  # beside the axes, not on the curves
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+        ax.grid(True, axis="y", alpha=0.25)
+    blocks.figure.tight_layout()
+    return axes
 
 
 def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performance)"):
@@ -101,12 +108,26 @@ def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performa
     return ax
 
 
+# The step's parts in purples and greys: the left panel's colours are implementations (IMPL_COLORS), and a blue
+# "attention" beside a blue "transformers generate" would read as one thing.
+PART_COLORS = {"attention": "#3f007d", "mlp": "#6a51a3", "norms": "#9e9ac8", "embedding and output head": "#cbc9e2",
+               "sampling (greedy)": "#525252", "host": "#bdbdbd"}
+_MORE_PART_COLORS = ("#807dba", "#dadaeb", "#969696", "#737373")
+
+
 def plot_recorded(results, axes=None):
     """The recorded GPU run: tokens/s of every peer at each batch size, and one decode step split into parts
     against the bytes-read limit."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(13, 4))
+        _, axes = plt.subplots(1, 2, figsize=(13, 4.6))
     ladder, parts = axes
+    _plot_tokens_per_s(results, ladder)
+    _plot_step_parts(results, parts)
+    finish(ladder.figure, results.provenance())
+    return axes
+
+
+def _plot_tokens_per_s(results, ax) -> None:
     generate = results.select(op=Op.GENERATE)
     impls = list(dict.fromkeys(r["impl"] for r in generate))
     batches = sorted({r["shape"]["batch"] for r in generate})
@@ -114,35 +135,42 @@ def plot_recorded(results, axes=None):
     for i, impl in enumerate(impls):
         values = [next((r["tokens_per_s"] for r in generate if r["impl"] == impl and r["shape"]["batch"] == b), 0)
                   for b in batches]
-        ladder.bar([x + i * width for x in range(len(batches))], values, width, label=impl, color=IMPL_COLORS[impl])
+        ax.bar([x + i * width for x in range(len(batches))], values, width, label=impl, color=IMPL_COLORS[impl])
     limit = results.notes.get("weight_read_limit_tokens_per_s_batch_1")
     if limit and 1 in batches:  # the weights read once per step: a bound at batch 1 only (more rows share the read)
         at = batches.index(1)
-        ladder.hlines(limit, at - width / 2, at + 0.8 - width / 2, color="black", ls="--", lw=1.2,
-                      label="weight-read limit (batch 1)")
-    ladder.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
-    ladder.set_yscale("log")
-    ladder.set_ylim(top=max(r["tokens_per_s"] for r in generate) * 12)  # room above the bars for the legend
-    ladder.set_ylabel("tokens/s (log scale)")
-    ladder.set_title("tokens/s, 128-token prompts, 128 new tokens", fontsize=10)
-    ladder.legend(fontsize=7, loc="upper left")
+        ax.hlines(limit, at - width / 2, at + 0.8 - width / 2, color="black", ls="--", lw=1.2,
+                  label="weight-read limit (batch 1)")
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(batches))], [f"batch {b}" for b in batches])
+    ax.set_yscale("log")
+    ax.set_ylim(top=max(r["tokens_per_s"] for r in generate) * 12)  # room above the bars for the legend
+    ax.set_ylabel("tokens/s (log scale)")
+    ax.set_title("tokens/s, 128-token prompts, 128 new tokens; colour: implementation", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def _plot_step_parts(results, ax) -> None:
     rows = results.select(op=Op.DECODE_STEP_PART)
+    batches = sorted({r["shape"]["batch"] for r in rows})
     shown = [p for p in dict.fromkeys(r["part"] for r in rows) if p != "whole step"]
     bottoms = [0.0] * len(batches)
-    for part in shown:
+    for n, part in enumerate(shown):
         values = [next((r["us"] for r in rows if r["part"] == part and r["shape"]["batch"] == b), 0) for b in batches]
-        parts.bar(range(len(batches)), values, bottom=bottoms, label=part)
+        ax.bar(range(len(batches)), values, bottom=bottoms, label=part, edgecolor="white", lw=0.5,
+               color=PART_COLORS.get(part, _MORE_PART_COLORS[n % len(_MORE_PART_COLORS)]))
         bottoms = [a + b for a, b in zip(bottoms, values)]
     limits = [next((r["us"] for r in results.select(op=Op.DECODE_STEP_LIMIT) if r["shape"]["batch"] == b), None)
               for b in batches]
-    parts.scatter(range(len(batches)), limits, color="black", marker="_", s=900, zorder=3, label="bytes-read limit")
-    parts.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
-    parts.set_ylabel("µs per decode step")
-    parts.set_ylim(0, max(bottoms + [l or 0 for l in limits]) * 1.6)  # room above the bars for the legend
-    parts.set_title("one decode step (CUDA graphs), by part, against the bytes it must read", fontsize=10)
-    parts.legend(fontsize=7, ncol=2, loc="upper left")
-    finish(ladder.figure, results.provenance())
-    return axes
+    drawn = [(x, limit) for x, limit in enumerate(limits) if limit is not None]
+    for n, (x, limit) in enumerate(drawn):  # black dashed, as the left panel's weight-read limit: a limit
+        ax.hlines(limit, x - 0.45, x + 0.45, color="black", ls="--", lw=1.5, zorder=3,
+                  label="bytes-read limit" if n == 0 else None)
+    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_ylabel("µs per decode step")
+    ax.set_ylim(0, max(bottoms + [l or 0 for l in limits]) * 1.6)  # room above the bars for the legend
+    ax.set_title("one decode step (CUDA graphs) by part, against the bytes it must read;\ncolour: part of the step",
+                 fontsize=10)
+    ax.legend(fontsize=7, ncol=2, loc="upper left")
 
 
 def batch_1_summary(results) -> str:
