@@ -13,9 +13,12 @@ BIN    := $(VENV)/bin
 setup:
 	bash tools/setup.sh "$(PYTHON)" "$(VENV)" "$(TORCH)" "$(VLLM)"
 
+# A student's lab: the student copies, exercises unsolved. The instructor versions (solutions, stored outputs):
+#   make lab NOTEBOOKS=notebooks
 # As root (containers, CI machines) JupyterLab refuses to start without --allow-root.
+NOTEBOOKS ?= notebooks/student
 lab:
-	$(BIN)/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/jupyter lab $(NOTEBOOKS) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared).
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
