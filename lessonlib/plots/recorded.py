@@ -59,7 +59,9 @@ def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, reco
         ax.tick_params(labelsize=FONT - 1)
         ax.grid(True, axis="x", alpha=0.25)
     axes[0][0].set_yticks(range(len(impls)), [textwrap.fill(i, 40) for i in impls], fontsize=FONT)
-    axes[0][0].set_ylim(len(impls) - 0.5, -0.5)  # the first implementation on top
+    axes[0][0].set_ylim(max(len(impls), 1) - 0.5, -0.5)  # the first implementation on top
+    if not impls:
+        axes[0][0].text(0.5, 0, "no implementation chosen", ha="center", va="center", fontsize=FONT)
     if len(sources) > 1:
         from matplotlib.patches import Patch
 
