@@ -122,3 +122,9 @@ def test_the_recorded_paged_view_prints_and_draws_why_a_peer_has_no_number():
     validated = why[Impl.TABLES_VALIDATED]
     assert validated[Unit.GRAPH_GBPS].startswith("not timed") and Unit.GBPS not in validated
     assert error[:40] in view.text.value and "host sync" in view.text.value and "(failed)" not in view.text.value
+
+
+def test_a_recorded_view_with_no_implementation_ticked_says_so(recwarn):
+    fig = recorded_vs_live({}, None, (Unit.GBPS,), "case", "NVIDIA H200", "recorded on X")
+    fig.canvas.draw()
+    assert "no implementation chosen" in [t.get_text() for t in fig.axes[0].texts] and not recwarn.list
