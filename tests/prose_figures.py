@@ -37,7 +37,7 @@ _NUMBER = r"\d(?:[\d,]*\d)?(?:\.\d+)?"
 _UNIT = (r"(?:µs|us|ms|ns|s|GB/s|TB/s|TFLOP/s|GiB|MiB|KiB|MB|GB|KB|TB|tokens?/s|tok/s|%|x|×|units?|FLOPs?|bytes?|"
          r"registers|passes|kernels?|launch(?:es)?)")
 FIGURE = re.compile(rf"""
-      (?<![\w.=/-]) {_NUMBER} \s? {_UNIT} (?![\w/])             # a number with its unit: 4,226 GB/s, 15%, 5.3x
+      (?<![\w.=/]) {_NUMBER} \s? {_UNIT} (?![\w/])             # a number with its unit: 4,226 GB/s, 15%, 5.3x
     | × \s? {_NUMBER}                                           # a factor written first: ×0.65
     | \b (?:about|around|roughly|nearly|almost|under|over|at\smost|at\sleast) \s {_NUMBER}   # about 21
     | \b (?:{_WORDS}) \s (?:\w+\s)? (?:kernels|launches|passes)\b   # a count in words: nine kernels

@@ -271,6 +271,9 @@ LESSONS_00_03_04 = (
     Holds("04_torch_compile", "c7cbcca1", "the two differ by about one unit in the last place",
           lambda: 0.5 <= float(re.search(r"by at most ([\d.]+) units", output("04_torch_compile", "48f16569"))
                                .group(1)) <= 1.5, "the stored output's largest eager-fused difference"),
+    Measured("04_torch_compile", "6e9a0abf", "measured `torch.compile` at 1.00x of lessonlib's swiglu speed", "1.00x",
+             lambda: timed("fusion-h200", Op.SWIGLU, Impl.COMPILE, **SWIGLU)["gbps"] / timed(
+                 "fusion-h200", Op.SWIGLU, Impl.LESSONLIB, **SWIGLU)["gbps"]),
     Holds("04_torch_compile", "61e06db5", "a kernel that runs for a few microseconds",
           lambda: mlp(Impl.SHARE_SWIGLU, 1) < 10, "lesson 01's swiglu kernel at T=1, under 10 µs"),
 )
