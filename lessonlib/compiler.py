@@ -91,3 +91,37 @@ def torch_logs(snippet: str, channels: str, timeout: float = 600) -> list[str]:
     if result.returncode != 0:
         raise RuntimeError(f"the snippet failed:\n{result.stderr[-3000:]}")
     return [line for line in result.stderr.splitlines() if line.strip()]
+
+
+# Lesson 04 prints this draw and lesson 05's table of claims quotes it: one seed, so the two show one figure.
+ROUNDING_SEED = 0
+
+
+@dataclass(frozen=True)
+class RoundingOrder:
+    dtype: torch.dtype
+    differ: float  # the share of elements where eager and fused differ
+    apart_units: float  # the largest eager-fused difference, in units (below)
+    eager_units: float  # eager's largest error against float64: two roundings
+    fused_units: float  # the fused kernel's: one rounding
+
+
+def rounding_order(dtype: torch.dtype, shape=(128, 512), seed: int = ROUNDING_SEED) -> RoundingOrder:
+    """silu(gate) * up in ``dtype``: eager (two kernels, two roundings) against lessonlib's fused swiglu (one), on
+    inputs drawn on the CPU from ``seed`` (the same numbers on every device), against float64 on the same rounded
+    inputs. A unit is the dtype's epsilon times the exact value; subnormal results are left out, since relative
+    units mean nothing there."""
+    from lessonlib import ops, reference
+
+    generator = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(shape, generator=generator).to(runtime.device(), dtype) for _ in range(2))
+    exact = reference.swiglu(gate.double(), up.double())
+    normal = exact.abs() >= torch.finfo(dtype).tiny
+    unit = torch.finfo(dtype).eps * exact.abs()
+    eager, fused = reference.swiglu(gate, up), ops.swiglu(gate, up)
+
+    def units(a, b):
+        return ((a.double() - b.double()).abs() / unit)[normal].max().item()
+
+    return RoundingOrder(dtype, (eager != fused).double().mean().item(), units(eager, fused), units(eager, exact),
+                         units(fused, exact))

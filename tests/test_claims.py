@@ -30,8 +30,26 @@ def test_every_claim_has_a_computed_verdict_from_the_committed_files(rows):
     # the committed cuda-graphs run decides both news figures: every recorded (B, context) appears in each verdict
     graphs = find(recorded_name(Benchmark.CUDA_GRAPHS))
     points = {(r["shape"]["B"], r["shape"]["context"]) for r in graphs.select(op=Op.DECODE_STEP)}
-    for quote in ("“cut by up to 70%”", "“deliver another 10–15% latency reduction”"):
-        assert all(f"B={b}/ctx {c:,}" in by_quote[quote]["measured"] for b, c in points), by_quote[quote]
+    graph = by_quote["“deliver another 10–15% latency reduction”"]
+    assert all(f"B={b}/ctx {c:,}" in graph["measured"] for b, c in points), graph
+    # "up to 70%" is the news item's claim about fusing attention's kernels: the decode step is not its evidence
+    launch = by_quote["“cut by up to 70%”"]
+    assert "decode" not in launch["measured"] + launch["evidence"] and claims.LAUNCH_CUT in launch["evidence"], launch
+
+
+def test_the_launch_claim_has_one_definition_in_the_table_and_in_lesson_05():
+    notebook = nbformat.read(ROOT / "notebooks" / "05_cuda_graphs.ipynb", as_version=4)
+    text = "\n".join(" ".join(cell.source.split()) for cell in notebook.cells if cell.cell_type == "markdown")
+    assert claims.LAUNCH_CUT in text
+
+
+def test_the_rounding_claim_quotes_lesson_04s_seeded_draw():
+    from lessonlib import compiler, runtime
+
+    order = compiler.rounding_order(runtime.dtype())
+    assert order == compiler.rounding_order(runtime.dtype())  # seeded: the same figures every time
+    measured = live.op_order().measured
+    assert f"{order.eager_units:.2f} units (eager) and {order.fused_units:.2f} (fused)" in measured, measured
 
 
 def test_quoted_claims_are_worded_as_their_notebook_quotes_them_and_point_at_a_cell_that_exists():
@@ -45,7 +63,7 @@ def test_quoted_claims_are_worded_as_their_notebook_quotes_them_and_point_at_a_c
 
 def test_a_claim_whose_records_are_missing_says_it_is_not_measured(monkeypatch):
     monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
-    for decide in (recorded.fusion_cut, recorded.graph_cut, recorded.flex_paged, recorded.activation_mul,
+    for decide in (recorded.launch_cut, recorded.graph_cut, recorded.flex_paged, recorded.activation_mul,
                    recorded.residual, recorded.softmax_scale, recorded.dropout):
         verdict = decide()
         assert verdict.verdict.startswith("not yet measured on a GPU") and "--out lessonlib/results/" in verdict.verdict

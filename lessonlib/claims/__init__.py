@@ -1,8 +1,11 @@
-"""The seed texts' claims that can be measured, each beside the lesson cell that measures it and its verdict (the
-closing section of lesson 05, issue 15).
+"""The measurable claims of the course's two source texts, each beside the lesson cell that measures it and its
+verdict (the closing section of lesson 05).
 
-The seed texts themselves are not in the repository. A claim with ``quoted=True`` is worded exactly as the course's
-notebooks quote it; the others paraphrase issue 15's list, and the table says so. Each verdict is computed when
+The two texts: the tutorial "Fast Attention Kernels & Operator Fusion", which the course is named after, and a news
+item on kernel fusion (it says that fusing the softmax and matmul kernels cuts launch overhead "by up to 70%", and that
+CUDA graphs "deliver another 10–15% latency reduction"). Neither text is in the repository. A claim with
+``quoted=True`` is worded exactly as the course's notebooks quote it; the others are paraphrased, and the table says
+so. The two figures are the news item's; the other claims are the tutorial's. Each verdict is computed when
 asked, from a committed results file (``lessonlib/results/*.json``, :mod:`lessonlib.claims.recorded`) or from a
 live check on this machine (:mod:`lessonlib.claims.live`): no verdict and no measured number is typed in. A claim
 whose records are not committed yet says "not yet measured on a GPU" and names the command that records them.
@@ -21,14 +24,18 @@ from lessonlib.claims import live, recorded
 from lessonlib.claims.verdicts import Verdict, in_range, not_recorded
 
 NEWS = "news item"
-UNNAMED = "a seed, not named"  # the notebooks say "the seed" without saying which of the two
+TUTORIAL = "tutorial"  # "Fast Attention Kernels & Operator Fusion", the course's namesake
+
+# The news item's "up to 70%", defined once: the table below and lesson 05's text both use these words.
+LAUNCH_CUT = ("fusing attention's kernels (matmul, scale, mask, softmax, matmul) into one launch cuts the time "
+              "spent on kernel launches")
 
 
 @dataclass(frozen=True)
 class Claim:
-    quote: str  # quoted: the seed's words as the notebooks quote them; otherwise a paraphrase of issue 15's list
+    quote: str  # quoted: the source's words as the notebooks quote them; otherwise a paraphrase
     quoted: bool
-    source: str  # NEWS or UNNAMED: the notebooks name the news item only for the two figures of lesson 05
+    source: str  # NEWS or TUTORIAL
     notebook: str  # notebooks/<notebook>.ipynb
     cell: str  # the id of the cell that measures it (tests check that it exists)
     section: str
@@ -41,46 +48,49 @@ def not_measured(why: str) -> Callable[[], Verdict]:
 
 
 CLAIMS = (
-    Claim("cut by up to 70%", True, NEWS, "05_cuda_graphs", "36d3873b", "§5 Measured on the H200",
-          "cuda-graphs-h200: decode_step, eager PyTorch step vs lessonlib fused step", recorded.fusion_cut),
+    # Where lesson 02 measures naive attention's kernels against one fused launch (issue 22, part 2): its cell id
+    # and section replace these, and recorded.launch_cut reads its records.
+    Claim("cut by up to 70%", True, NEWS, "02_flash_attention", "19cdc4e5", "§1 Naive attention's kernels",
+          f"flash-attention-h200: {LAUNCH_CUT}; naive attention against one fused launch, where launches dominate",
+          recorded.launch_cut),
     Claim("deliver another 10–15% latency reduction", True, NEWS, "05_cuda_graphs", "36d3873b",
           "§5 Measured on the H200", "cuda-graphs-h200: decode_step, fused step vs the same replayed from a graph",
           recorded.graph_cut),
-    Claim("softmax(Q Kᵀ / √D + M) V, with M the additive causal mask", True, UNNAMED, "02_flash_attention",
+    Claim("softmax(Q Kᵀ / √D + M) V, with M the additive causal mask", True, TUTORIAL, "02_flash_attention",
           "acf5f14c", "§1 The score matrix", "live: float64, M = -inf above the diagonal vs causal=True",
           live.additive_mask),
-    Claim("FlashAttention's memory is O(N) instead of O(N²)", False, UNNAMED, "02_flash_attention", "66d71694",
+    Claim("FlashAttention's memory is O(N) instead of O(N²)", False, TUTORIAL, "02_flash_attention", "66d71694",
           "§1 The score matrix grows with T²", "live: bytes each call allocates, N=32 and 64", live.linear_memory),
-    Claim("fusing the KV-cache write with the K/V transform", True, UNNAMED, "03_paged_attention", "d16831f5",
+    Claim("fusing the KV-cache write with the K/V transform", True, TUTORIAL, "03_paged_attention", "d16831f5",
           "Exercise 5: RoPE fused with the KV-cache write",
           "paged-attention-h200: rope_store_kv, ops.rope_store_kv vs apply_rope + store_kv", recorded.rope_kv_write),
-    Claim("sidesteps the quadratic memory blow-up", True, UNNAMED, "03_paged_attention", "7304ab0d",
+    Claim("sidesteps the quadratic memory blow-up", True, TUTORIAL, "03_paged_attention", "7304ab0d",
           "§6 What paging does not change", "live: kv_memory's paged and slab reservations, the score matrix's bytes",
           live.paging_quadratic),
-    Claim("paged attention removes the KV-cache waste of fragmentation and over-reservation", False, UNNAMED,
+    Claim("paged attention removes the KV-cache waste of fragmentation and over-reservation", False, TUTORIAL,
           "03_paged_attention", "ca032502", "§1 What contiguous allocation wastes",
           "live: kv_memory.reservation over lesson 03's request lengths", live.paging_waste),
-    Claim("FlexAttention runs paged attention", False, UNNAMED, "03_paged_attention", "e0128fdf",
+    Claim("FlexAttention runs paged attention", False, TUTORIAL, "03_paged_attention", "e0128fdf",
           "§7 Paged against contiguous, measured", "paged-attention-h200: FlexAttention paged vs lessonlib",
           recorded.flex_paged),
-    Claim("fusion changes the numbers: the order of operations rounds differently", False, UNNAMED,
+    Claim("fusion changes the numbers: the order of operations rounds differently", False, TUTORIAL,
           "04_torch_compile", "48f16569", "§1 What Inductor generates", "live: float16 swiglu, eager vs fused",
           live.op_order),
-    Claim("TORCH_LOGS=perf_hints,output_code show what Inductor did and could not do", False, UNNAMED,
+    Claim("TORCH_LOGS=perf_hints,output_code show what Inductor did and could not do", False, TUTORIAL,
           "04_torch_compile", "95a3c005", "§4 Inductor's hints, and the code it wrote", "lesson 04's cell, live",
           not_measured("lesson 04 runs it in a fresh compiling process, too slow to repeat for this table")),
-    Claim("fuse bias + activation + multiply", False, UNNAMED, "01_operator_fusion", "a8fdf751", "Summary",
+    Claim("fuse bias + activation + multiply", False, TUTORIAL, "01_operator_fusion", "a8fdf751", "Summary",
           "fusion-h200: swiglu, lessonlib vs eager, T=8192", recorded.activation_mul),
-    Claim("fuse dequantisation into the matmul", False, UNNAMED, "01_operator_fusion", "a8fdf751", "Summary",
+    Claim("fuse dequantisation into the matmul", False, TUTORIAL, "01_operator_fusion", "a8fdf751", "Summary",
           "none", not_measured("the course has no quantised weights")),
-    Claim("fusing dropout/scaling/residual into attention: the scaling", False, UNNAMED, "05_cuda_graphs",
+    Claim("fusing dropout/scaling/residual into attention: the scaling", False, TUTORIAL, "05_cuda_graphs",
           "c1a1ab03", "§6 What attention's kernel can absorb",
           "flash-attention-h200: absorbed into attention, lessonlib vs Q scaled in a pass of its own",
           recorded.softmax_scale),
-    Claim("fusing dropout/scaling/residual into attention: the dropout", False, UNNAMED, "05_cuda_graphs",
+    Claim("fusing dropout/scaling/residual into attention: the dropout", False, TUTORIAL, "05_cuda_graphs",
           "c1a1ab03", "§6 What attention's kernel can absorb",
           "flash-attention-h200: absorbed into attention, SDPA backends at dropout_p 0 and 0.1", recorded.dropout),
-    Claim("fusing dropout/scaling/residual into attention: the residual", False, UNNAMED, "01_operator_fusion",
+    Claim("fusing dropout/scaling/residual into attention: the residual", False, TUTORIAL, "01_operator_fusion",
           "a8fdf751", "§6 Residual add + RMSNorm; Summary", "fusion-h200: add_rms_norm, lessonlib vs eager, T=8192",
           recorded.residual),
 )
@@ -99,15 +109,15 @@ def table(claims=CLAIMS) -> list[dict]:
 
 
 def markdown(rows: list[dict]) -> str:
-    """The rows as a Markdown table: claim, seed, where measured, measured value, verdict."""
+    """The rows as a Markdown table: claim, source text, where measured, measured value, verdict."""
     def cell(text: str) -> str:
         return text.replace("|", "\\|").replace("\n", " ")
 
-    lines = ["| claim | seed | where measured | measured | verdict |", "|---|---|---|---|---|"]
+    lines = ["| claim | source | where measured | measured | verdict |", "|---|---|---|---|---|"]
     lines += ["| " + " | ".join(cell(r[key]) for key in ("quote", "source", "where", "measured", "verdict")) + " |"
               for r in rows]
     return "\n".join(lines)
 
 
-__all__ = ["CLAIMS", "Claim", "Verdict", "in_range", "live", "markdown", "not_measured", "not_recorded",
-           "recorded", "table"]
+__all__ = ["CLAIMS", "LAUNCH_CUT", "NEWS", "TUTORIAL", "Claim", "Verdict", "in_range", "live", "markdown",
+           "not_measured", "not_recorded", "recorded", "table"]

@@ -1,8 +1,10 @@
 """add_rms_norm: residual add + RMSNorm in one kernel, returning both outputs.
 
-A pre-norm block does ``residual = x + residual; h = rms_norm(residual) * weight``. Eager PyTorch runs about
-seven kernels for that, several with float32 temporaries. The fused kernel reads x, residual and weight once and
-writes the normalized output and the updated residual once: 4 passes over a (T, H) tensor, the minimum.
+A pre-norm block does ``residual = x + residual; h = rms_norm(residual) * weight``. Eager PyTorch runs seven
+operators for that, several with float32 temporaries; on a GPU in bf16 the two dtype casts launch one kernel each as
+well (torch.profiler counted nine on the H200, lessonlib/results/fusion-h200.json). The fused kernel reads x,
+residual and weight once and writes the normalized output and the updated residual once: 4 passes over a (T, H)
+tensor, the minimum.
 
 Backward: with h = x + residual (the updated residual), n = h * rstd and out = weight * n,
 

@@ -1,8 +1,9 @@
 """apply_rope: rotary position embedding on q and k in one kernel (Hugging Face's rotate_half convention).
 
 Eager PyTorch builds rotate_half with a slice, a negation and a concatenation, then two multiplies and an add, for
-q and again for k: about a dozen kernels and as many temporaries. The fused kernel reads each (b, t) row of
-cos/sin once, rotates every head of q and of k with it, and writes q_rot and k_rot once.
+q and again for k: ten kernels (torch.profiler on the H200, lessonlib/results/fusion-h200.json) and as many
+temporaries. The fused kernel reads each (b, t) row of cos/sin once, rotates every head of q and of k with it, and
+writes q_rot and k_rot once.
 
 Backward: RoPE is linear in q and k, a rotation of each (x1, x2) pair by the position's angle, so the gradient is
 the transposed map: the same kernel rotating d(q_rot) and d(k_rot) the other way (``INVERSE``). It needs only

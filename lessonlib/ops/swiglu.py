@@ -21,8 +21,11 @@ import triton.language as tl
 
 from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for, tuned
 
-# Columns per program. Swept on the H200 at T=8192, I=14336 bf16 (1-D grid): 1024 to 4096 columns with 4 to 16
-# warps all reached 4,120-4,229 GB/s (copy: 4,151 GB/s for the same bytes), except 16 warps on 1024-2048 columns.
+# Columns per program. Swept on the H200 at T=8192, I=14336 bf16, 1-D grid (the sweep records of
+# lessonlib/results/fusion-h200.json): 2048 columns with 8 warps was the fastest, 4,239 GB/s; 1024-2048 columns with
+# 4 warps and 4096 with 8-16 reached 4,217-4,227; 4096 with 4 warps 4,113; 8192 columns 3,466-4,209; 8-16 warps on
+# 1024 columns and 16 on 2048 fell to 2,506-3,827. A plain copy of the same bytes ran at 4,127 GB/s: a kernel that
+# reads two bytes for each one it writes can pass a copy.
 BLOCK = 2048
 
 

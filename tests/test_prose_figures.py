@@ -1,0 +1,105 @@
+"""What a student reads is what the course measured: every figure in an instructor notebook's markdown is printed by
+code, registered with the computation that makes it true (tests/prose_registry.py), or given with its reason; a stale
+figure fails and names its notebook and cell (tests/prose_figures.py says what counts as a figure)."""
+
+import copy
+import random
+import re
+
+import pytest
+
+from lessonlib import results
+from lessonlib.results import Op
+from tests import prose_figures as prose
+from tests.prose_registry import FIGURES
+
+NOTEBOOKS = sorted(p.stem for p in prose.NOTEBOOKS.glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("name", NOTEBOOKS)
+def test_every_figure_is_printed_registered_or_given_and_every_registered_figure_holds(name):
+    problems = prose.problems(name, FIGURES)
+    assert not problems, "\n".join(problems)
+
+
+def test_every_entry_names_a_notebook_and_gives_its_reasons():
+    for entry in FIGURES:
+        assert entry.notebook in NOTEBOOKS, entry
+        if isinstance(entry, (prose.Holds, prose.Given)) or getattr(entry, "within", None) is not None:
+            assert entry.why, entry
+
+
+def planted(name: str, cell: str, old: str, new: str) -> list:
+    """A copy of a notebook's cells with ``old`` replaced by ``new`` in one cell."""
+    cells = copy.deepcopy(prose.notebook(name).cells)
+    target = next(c for c in cells if c.get("id") == cell)
+    assert old in target.source, (cell, old)
+    target.source = target.source.replace(old, new)
+    return cells
+
+
+def test_a_stale_number_planted_in_a_cell_fails_and_names_the_notebook_and_the_cell():
+    stale = f"{random.uniform(2, 9):.1f}x"  # fresh each run; the byte ratio is 5.25, so never this
+    stale = "2.2x" if stale == "5.3x" else stale
+    cells = planted("01_operator_fusion", "82f80785", "Eager moves 5.3x the bytes", f"Eager moves {stale} the bytes")
+    problems = prose.problems("01_operator_fusion", FIGURES, cells)
+    index = next(i for i, c in enumerate(cells) if c.get("id") == "82f80785")
+    mine = [p for p in problems if f"notebooks/01_operator_fusion.ipynb cell {index} (82f80785)" in p]
+    assert any("no longer says 'Eager moves 5.3x the bytes'" in p for p in mine), problems
+    assert any(f"the figure '{stale}' is neither printed by code nor registered" in p for p in mine), problems
+
+
+def test_a_figure_registered_with_the_stale_text_fails_on_its_computed_value():
+    cells = planted("01_operator_fusion", "f0907044", "counted nine", "counted eight")
+    stale = prose.Measured("01_operator_fusion", "f0907044", "the profiler counted eight kernels on the H200",
+                           "eight kernels", lambda: 9)
+    problems = prose.problems("01_operator_fusion", (stale,), cells)
+    assert any("the text says 'eight kernels' (8) but the source gives 9" in p for p in problems), problems
+
+
+def test_every_measured_figure_fails_when_the_source_moves_past_its_band():
+    for entry in [e for e in FIGURES if isinstance(e, prose.Measured)]:
+        band = prose.rounding(entry.figure) if entry.within is None else entry.within
+        moved = prose.Measured(entry.notebook, entry.cell, entry.quote, entry.figure,
+                               lambda e=entry, b=band: e.measured() + 2 * b + 1)
+        cells = {c.get("id"): (0, c.source) for c in prose.notebook(entry.notebook).cells}
+        assert prose.check_entry(moved, cells), entry
+
+
+def test_a_verdict_that_does_not_hold_fails():
+    entry = prose.Holds("02_flash_attention", "52eb79e3", "cuDNN is faster", lambda: False, "planted")
+    cells = {c.get("id"): (0, c.source) for c in prose.notebook("02_flash_attention").cells}
+    assert "does not hold" in prose.check_entry(entry, cells)[0]
+
+
+def test_the_patterns_find_each_kind_of_figure_and_skip_code_and_latex():
+    text = ("Eager is slower: 15% of 4,226 GB/s in nine kernels, 5.3x the bytes, ×0.65, about 21, a few percent, "
+            "half the speed; `7 GB` and $3x$ and [a](x/8%) are not read; near-ties are not a verdict.")
+    found = [f for _, f in prose.figures(text)]
+    assert found == ["slower", "15%", "4,226 GB/s", "nine kernels", "5.3x", "×0.65", "about 21", "a few percent",
+                     "half the"], found
+
+
+def test_a_figure_rounds_to_its_last_printed_digit():
+    assert prose.value("4,226 GB/s") == 4226 and prose.rounding("4,226 GB/s") == 0.5
+    assert prose.value("5.3x") == 5.3 and prose.rounding("5.3x") == pytest.approx(0.05)
+    assert prose.value("nine kernels") == 9 and prose.rounding("nine kernels") == 0
+    assert prose.value("5/3") == pytest.approx(5 / 3) and prose.value("15%") == 15
+
+
+def test_no_lesson_talks_of_project_plumbing_or_an_unnamed_seed():
+    plumbing = re.compile(r"\bissue \d+|\bthe seed\b|\bseed texts?\b|\bthe seeds?'s?\b", re.IGNORECASE)
+    for name in NOTEBOOKS:
+        for index, cell in enumerate(prose.notebook(name).cells):
+            if cell.cell_type == "markdown":
+                assert not plumbing.search(cell.source), (name, index, plumbing.search(cell.source).group(0))
+
+
+def test_the_swiglu_sweep_comment_quotes_the_recorded_sweep():
+    comment = (prose.ROOT / "lessonlib/ops/swiglu.py").read_text().split("BLOCK = 2048")[0].split("# Columns")[1]
+    run = results.load("fusion-h200")
+    sweep = [r["gbps"] for r in run.select(op=Op.SWIGLU, T=8192, I=14336) if r.get("sweep")]
+    copy_gbps = run.one(op=Op.COPY, impl="copy (same bytes)", T=8192, I=14336)["gbps"]
+    assert f"fastest, {max(sweep):,.0f} GB/s" in comment and f"{min(sweep):,.0f}" in comment, comment
+    assert f"copy of the same bytes ran at {copy_gbps:,.0f} GB/s" in " ".join(comment.replace("#", "").split())
+
