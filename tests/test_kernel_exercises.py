@@ -1,4 +1,4 @@
-"""The kernel exercises of issue 15 (notebooks 02, 03, 05): the instructor's solution, taken from the notebook
+"""The kernel exercises (notebooks 01, 02, 03, 05): the instructor's solution, taken from the notebook
 itself, passes its checker; the stub the student copy gets fails with "not implemented yet"; planted mistakes,
 each made by editing one line of the solution, fail with a message that names the mistake. Kept small for the
 interpreter: the checkers stop at the first failing case, which comes early for every planted mistake."""
@@ -28,7 +28,7 @@ def solution_source(notebook: str, name: str) -> str:
 
 
 # What the notebook has imported by the time the solution cell runs.
-PRELUDE = "import torch\nfrom lessonlib import exercises, reference\n"
+PRELUDE = "import torch\nimport triton\nimport triton.language as tl\nfrom lessonlib import exercises, reference\n"
 
 
 def define(source: str, name: str):
@@ -47,6 +47,8 @@ def mutated(source: str, old: str, new: str) -> str:
 
 
 EXERCISES = {  # checker, notebook, name
+    "swiglu": (exercises.check_swiglu, "01_operator_fusion.ipynb", "my_swiglu_kernel"),
+    "add_rms_norm": (exercises.check_add_rms_norm, "01_operator_fusion.ipynb", "my_add_rms_norm_kernel"),
     "flash_forward": (exercises.check_flash_forward_kernel, "02_flash_attention.ipynb", "my_flash_forward_kernel"),
     "paged_decode": (exercises.check_paged_decode_kernel, "03_paged_attention.ipynb", "my_paged_decode_kernel"),
     "rope": (exercises.check_rope_kernel, "03_paged_attention.ipynb", "my_rope_kernel"),
@@ -67,6 +69,7 @@ def test_solution_passes_and_stub_fails(exercise, capsys):
 
 
 PLANTED = [  # exercise, (old line fragment, new), what the message must name
+    ("add_rms_norm", ("tl.sum(h * h, axis=0) / n_cols", "tl.sum(h * h, axis=0) / BLOCK"), "normalized: max error"),
     ("flash_forward", ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"), "rescales l but not acc"),
     ("flash_forward", ("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum"), "rescales acc but not l"),
     ("flash_forward", ("(cols[None, :] <= offs_m[:, None] + n_kv - n_q)", "(cols[None, :] < offs_m[:, None] + n_kv - n_q)"),
