@@ -82,7 +82,8 @@ PLANTED = [  # exercise, (old line fragment, new), what the message must name
     ("paged_decode", ("* kv_heads + kv_head\n", "* kv_heads + head\n"), "query head instead of its KV head"),
     ("rope", ("(x1 * cos1 - x2 * sin1)", "(x1 * cos1 + x2 * sin1)"), "first half computed as x1 \\* cos \\+ x2"),
     ("rope", ("tl.store(out_ptr + row, ", "tl.store(out_ptr + row + HALF, "), "left some elements unwritten"),
-    ("rope", ("mask = (h < n_heads) & (d < HALF)", "mask = (h < n_heads) & (d < BLOCK_HALF)"), "past the end"),
+    ("rope", ("mask = (h < n_heads) & (d < HALF)", "mask = (h < n_heads) & (d < BLOCK_HALF)"),
+     "outside out were written"),
     ("rope_store_kv", ("(k2 * cos2 + k1 * sin2)", "(k2 * cos2 - k1 * sin2)"), "the K in the cache.*second half"),
     ("rope_store_kv", ("cache_row = (slot * n_kv_heads", "cache_row = (token * n_kv_heads"), "belongs to another token"),
     ("graph_safe_decode_step", ("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    return out.copy_(exercises.eager_decode_step(q, k_new, v_new, k_cache, v_cache, lengths))\n"),
@@ -93,6 +94,60 @@ PLANTED = [  # exercise, (old line fragment, new), what the message must name
      "builds a tensor from Python data"),
     ("graph_safe_decode_step", ("<= lengths[:, None]", "< lengths[:, None]"), "max error"),
 ]
+
+
+MISSING_MASKS = [  # exercise, edits (applied in turn) that drop a mask, what the message must name
+    ("swiglu", [("tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)",
+                 "tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty))")], "outside out were written"),
+    ("swiglu", [(", mask=mask)", ")")] * 3, "outside out were written"),  # the crash of issue 22: no mask at all
+    ("add_rms_norm", [("r = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)",
+                       "r = tl.load(residual_ptr + row * n_cols + cols)")], "outside residual were read"),
+    ("add_rms_norm", [("tl.store(residual_out_ptr + row * n_cols + cols, h, mask=mask)",
+                       "tl.store(residual_out_ptr + row * n_cols + cols, h)")], "outside residual_out were written"),
+    ("flash_forward", [("v = tl.load(v_rows + cols[:, None] * HEAD_DIM + offs_d[None, :], mask=cols[:, None] < n_kv, "
+                        "other=0.0)", "v = tl.load(v_rows + cols[:, None] * HEAD_DIM + offs_d[None, :])")],
+     "outside v were read"),
+    # A walk one logical block ahead reads the table's -1 past the sequence's blocks; without the pool-bounds mask
+    # that row -1 is read from before the cache.
+    ("paged_decode", [("block_table_ptr + seq * max_blocks + logical)", "block_table_ptr + seq * max_blocks + logical + 1)"),
+                      (" & (rows >= 0) & (rows < pool_rows)", "")], "outside k_cache and v_cache were read"),
+    ("rope", [("tl.store(out_ptr + row + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)",
+               "tl.store(out_ptr + row + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty))")],
+     "outside out were written"),
+    ("rope_store_kv", [("tl.store(q_out_ptr + q_row + HALF, (q2 * cos2 + q1 * sin2).to(q_out_ptr.dtype.element_ty), "
+                        "mask=q_mask)", "tl.store(q_out_ptr + q_row + HALF, (q2 * cos2 + q1 * sin2).to("
+                        "q_out_ptr.dtype.element_ty))")], "outside q_out were written"),
+]
+
+
+@pytest.mark.parametrize("exercise, edits, message", MISSING_MASKS, ids=[f"{m[0]}-{m[2]}" for m in MISSING_MASKS])
+def test_missing_mask_is_named_and_the_process_survives(exercise, edits, message):
+    """Issue 22: in the interpreter a store without its mask corrupted memory and killed the notebook's kernel.
+    On guarded buffers the access lands in a guard zone, and the checker names it; this test's process going on to
+    the next test is the "stays alive" part."""
+    check, notebook, name = EXERCISES[exercise]
+    source = solution_source(notebook, name)
+    for old, new in edits:
+        assert old in source, f"the planted missing mask no longer applies: {old!r}"
+        source = source.replace(old, new, 1)
+    with pytest.raises(ExerciseFailed, match=f"{message}.*missing mask"):
+        check(define(source, name))
+
+
+def test_flash_forward_that_masks_but_never_skips_is_refused():
+    """Causal: a kernel whose loop visits every key tile and hides the invisible ones gives the right values; the
+    checker must still refuse it, since skipping those tiles is the exercise."""
+    check, notebook, name = EXERCISES["flash_forward"]
+    source = mutated(solution_source(notebook, name), "hi = tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q)",
+                     "hi = n_kv")
+    with pytest.raises(ExerciseFailed, match="does not skip the key tiles above the diagonal"):
+        check(define(source, name))
+
+
+def test_exercise_failed_renders_as_its_message_in_ipython():
+    """One clear line in a notebook, not a traceback through lessonlib's checker."""
+    lines = ExerciseFailed("swiglu: not implemented yet\n  on inputs of shapes (1, 1)")._render_traceback_()
+    assert len(lines) == 2 and "swiglu: not implemented yet" in lines[0] and "File" not in "".join(lines)
 
 
 @pytest.mark.parametrize("exercise, edit, message", PLANTED, ids=[f"{p[0]}-{p[2][:30]}" for p in PLANTED])

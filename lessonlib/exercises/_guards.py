@@ -82,43 +82,56 @@ class Guards:
                         "end needs mask=offsets < n.")
 
     @contextmanager
-    def _input_guards(self, what: str, value: float):
-        zones = [z for z in self.zones if z[0] == what]
-        for _, buffer, start, numel, _, _ in zones:
-            buffer[:start].fill_(value)
-            buffer[start + numel:].fill_(value)
+    def _input_guards(self, names, value: float):
+        """Inside: the guards of the inputs ``names`` hold ``value``; afterwards, what they held before."""
+        zones = [(buffer[:start], buffer[start + numel:]) for what, buffer, start, numel, _, _ in self.zones
+                 if what in names]
+        saved = [(before.clone(), after.clone()) for before, after in zones]
+        for before, after in zones:
+            before.fill_(value)
+            after.fill_(value)
         try:
             yield
         finally:
-            for _, buffer, start, numel, fill, _ in zones:
-                buffer[:start].fill_(fill)
-                buffer[start + numel:].fill_(fill)
+            for (before, after), (old_before, old_after) in zip(zones, saved):
+                before.copy_(old_before)
+                after.copy_(old_after)
 
     def run(self, launch, outputs=lambda result: result):
         """``launch()`` (the call under check), then check the guards. ``outputs(result)``: the tensors it produced
-        (a tensor or a tuple; in-place outputs included). If they hold NaN, repeat the launch with each float
-        input's guards set to 0: an output that changes names the input the kernel read outside of."""
+        (a tensor or a tuple; in-place outputs included). If they hold NaN, repeat the launch with every float
+        input's guards at 0: if the output changes, the kernel read outside an input, and one more launch per input
+        (its guards NaN again, the others' 0) names which. A stub's untouched NaN output costs one more launch."""
+
+        def produced(result):
+            made = outputs(result)
+            return [t.clone() for t in (made if isinstance(made, (tuple, list)) else (made,))
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+        def differ(a, b):
+            return any(not torch.equal(x.isnan(), y.isnan()) or not torch.equal(x.nan_to_num(), y.nan_to_num())
+                       for x, y in zip(a, b))
+
         result = launch()
         self.check_writes()
-        produced = outputs(result)
-        produced = [t for t in (produced if isinstance(produced, (tuple, list)) else (produced,))
-                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        if not any(bool(t.isnan().any()) for t in produced):
+        first = produced(result)
+        if not any(bool(t.isnan().any()) for t in first):
             return result
-        first = [t.clone() for t in produced]
-        inputs = dict.fromkeys(z[0] for z in self.zones if not z[5] and isinstance(z[4], float))
-        for what in inputs:
-            with self._input_guards(what, 0.0):
-                again = outputs(launch())
-            again = [t for t in (again if isinstance(again, (tuple, list)) else (again,))
-                     if isinstance(t, torch.Tensor) and t.is_floating_point()]
-            if any(not torch.equal(a.isnan(), b.isnan()) or not torch.equal(a.nan_to_num(), b.nan_to_num())
-                   for a, b in zip(first, again)):
-                raise ExerciseFailed(
-                    f"{self.name}: elements outside {what} were read: the output changed when only the memory just "
-                    f"before and after {what} changed. A missing mask? A tl.load of a block that can run past the "
-                    "end needs mask=offsets < n (and other=0.0 where the value is used).")
-        return result
+        inputs = list(dict.fromkeys(z[0] for z in self.zones if not z[5] and isinstance(z[4], float)))
+        with self._input_guards(inputs, 0.0):
+            zeroed = produced(launch())
+            if not differ(first, zeroed):
+                return result
+            read = []
+            for what in inputs:
+                with self._input_guards([what], float("nan")):
+                    if differ(zeroed, produced(launch())):
+                        read.append(what)
+        where = " and ".join(read) or " and ".join(inputs)
+        raise ExerciseFailed(
+            f"{self.name}: elements outside {where} were read: the output changed when only the memory just before "
+            f"and after {'them' if len(read) > 1 else 'it'} changed. A missing mask? A tl.load of a block that can "
+            "run past the end needs mask=offsets < n (and other=0.0 where the value is used).")
 
 
 @contextmanager
