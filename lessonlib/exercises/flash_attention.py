@@ -267,7 +267,10 @@ def _check_causal_tiles_skipped(kernel) -> None:
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     n_q = n_kv = 4 * block_m + 5  # several query tiles; the first sees keys 0 .. BLOCK_M - 1 only
     first_skipped = -(-block_m // block_n) * block_n  # the first key tile past the first query tile's bound
-    q, k, v = _inputs((1, 2, n_q, 16), (1, 1, n_kv, 16), (1, 1, n_kv, 16), dtype=torch.float32)
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
+
+    # The first dtype the checks above use (float32 here; on a GPU float16: a float32 tl.dot runs in TF32 there).
+    q, k, v = _inputs((1, 2, n_q, 16), (1, 1, n_kv, 16), (1, 1, n_kv, 16), dtype=flash_attention_dtypes()[0])
     truth = reference.attention(*to_float64(q, k, v), causal=True)[:, :, :block_m]
     low = reference.attention(q, k, v, causal=True)[:, :, :block_m]
     allowance = attention_allowance(q, k, v)
