@@ -32,8 +32,8 @@ OUTPUT_SENTINEL = -12345.0  # exact in float16, bfloat16 and float32; no exercis
 INT_FILL = -1  # an index guard: a table or slot read past its end gives -1, which lands in another tensor's guard
 
 
-def _fill_for(t: torch.Tensor, output: bool):
-    if not t.is_floating_point():
+def _fill_for(dtype: torch.dtype, output: bool):
+    if not dtype.is_floating_point:
         return INT_FILL
     return OUTPUT_SENTINEL if output else float("nan")
 
@@ -52,8 +52,7 @@ class Guards:
         for size in shape:
             numel *= int(size)
         guard = numel + MARGIN
-        probe = torch.zeros((), dtype=dtype)
-        fill = _fill_for(probe, output)
+        fill = _fill_for(dtype, output)
         buffer = torch.full((guard + numel + guard,), fill, dtype=dtype, device=device)
         self.zones.append((what, buffer, guard, numel, fill, output))
         return buffer[guard:guard + numel].view(shape)
