@@ -134,6 +134,19 @@ def test_missing_mask_is_named_and_the_process_survives(exercise, edits, message
         check(define(source, name))
 
 
+def test_a_launcher_called_directly_in_the_interpreter_guards_its_output():
+    """A student timing or trying their kernel through the launcher, not the checker: in the interpreter the
+    launcher's output still sits between guards, so a store without its mask is named, not a crashed kernel."""
+    if runtime.on_gpu():
+        pytest.skip("on a GPU a direct launch allocates no guards (timing stays clean); the checkers still do")
+    _, notebook, name = EXERCISES["swiglu"]
+    source = mutated(solution_source(notebook, name), "out.to(out_ptr.dtype.element_ty), mask=mask)",
+                     "out.to(out_ptr.dtype.element_ty))")
+    gate = torch.randn(5, 7, device=runtime.device())
+    with pytest.raises(ExerciseFailed, match="elements 35..1023 outside out were written"):
+        exercises.swiglu(define(source, name), gate, gate)
+
+
 def test_flash_forward_that_masks_but_never_skips_is_refused():
     """Causal: a kernel whose loop visits every key tile and hides the invisible ones gives the right values; the
     checker must still refuse it, since skipping those tiles is the exercise."""
