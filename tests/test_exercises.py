@@ -1,4 +1,6 @@
-"""The checkers must pass lessonlib's kernels and fail every kind of wrong answer with a message that helps."""
+"""The checkers must pass lessonlib's kernels and fail every kind of wrong answer with a message that helps. Lesson 01's
+kernel checkers check a whole op given as ``op=`` (how the lesson checks lessonlib's own) with the same output rules
+as the student's kernel; the kernel path itself is tested in tests/test_kernel_exercises.py."""
 
 import pytest
 import torch
@@ -8,8 +10,8 @@ from lessonlib.exercises import ExerciseFailed, check_add_rms_norm, check_apply_
 
 
 def test_checkers_pass_the_library_kernels(capsys):
-    check_swiglu(ops.swiglu)
-    check_add_rms_norm(ops.add_rms_norm)
+    check_swiglu(op=ops.swiglu)
+    check_add_rms_norm(op=ops.add_rms_norm)
     check_apply_rope(ops.apply_rope)
     assert capsys.readouterr().out.count("✓") == 3
 
@@ -61,16 +63,25 @@ def off_by_a_few_units(gate, up):
 )
 def test_check_swiglu_explains_wrong_answers(fn, message):
     with pytest.raises(ExerciseFailed, match=message):
-        check_swiglu(fn)
+        check_swiglu(op=fn)
+
+
+@pytest.mark.parametrize("check, fn", [(check_swiglu, lambda gate, up: torch.nn.functional.silu(gate) * up),
+                                       (check_add_rms_norm, reference.add_rms_norm), (check_swiglu, ops.swiglu)])
+def test_kernel_checkers_refuse_a_python_function_as_the_kernel(check, fn, capsys):
+    """The issue's bypass: plain PyTorch (or lessonlib's op) where the exercise asks for a @triton.jit kernel."""
+    with pytest.raises(ExerciseFailed, match="pass your @triton.jit kernel"):
+        check(fn)
+    assert "✓" not in capsys.readouterr().out
 
 
 def test_check_add_rms_norm_explains_wrong_answers():
     with pytest.raises(ExerciseFailed, match="expected a tuple"):
-        check_add_rms_norm(lambda x, r, w, eps: reference.add_rms_norm(x, r, w, eps)[0])
+        check_add_rms_norm(op=lambda x, r, w, eps: reference.add_rms_norm(x, r, w, eps)[0])
     with pytest.raises(ExerciseFailed, match="updated_residual"):
-        check_add_rms_norm(lambda x, r, w, eps: (reference.add_rms_norm(x, r, w, eps)[0], x))
+        check_add_rms_norm(op=lambda x, r, w, eps: (reference.add_rms_norm(x, r, w, eps)[0], x))
     with pytest.raises(ExerciseFailed, match="normalized"):  # forgot the weight
-        check_add_rms_norm(lambda x, r, w, eps: reference.add_rms_norm(x, r, torch.ones_like(w), eps))
+        check_add_rms_norm(op=lambda x, r, w, eps: reference.add_rms_norm(x, r, torch.ones_like(w), eps))
 
 
 def test_check_apply_rope_catches_the_other_rotation_convention():

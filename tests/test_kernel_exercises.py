@@ -1,4 +1,4 @@
-"""The kernel exercises of issue 15 (notebooks 02, 03, 05): the instructor's solution, taken from the notebook
+"""The kernel exercises (notebooks 01, 02, 03, 05): the instructor's solution, taken from the notebook
 itself, passes its checker; the stub the student copy gets fails with "not implemented yet"; planted mistakes,
 each made by editing one line of the solution, fail with a message that names the mistake. Kept small for the
 interpreter: the checkers stop at the first failing case, which comes early for every planted mistake."""
@@ -28,7 +28,7 @@ def solution_source(notebook: str, name: str) -> str:
 
 
 # What the notebook has imported by the time the solution cell runs.
-PRELUDE = "import torch\nfrom lessonlib import exercises, reference\n"
+PRELUDE = "import torch\nimport triton\nimport triton.language as tl\nfrom lessonlib import exercises, reference\n"
 
 
 def define(source: str, name: str):
@@ -47,6 +47,8 @@ def mutated(source: str, old: str, new: str) -> str:
 
 
 EXERCISES = {  # checker, notebook, name
+    "swiglu": (exercises.check_swiglu, "01_operator_fusion.ipynb", "my_swiglu_kernel"),
+    "add_rms_norm": (exercises.check_add_rms_norm, "01_operator_fusion.ipynb", "my_add_rms_norm_kernel"),
     "flash_forward": (exercises.check_flash_forward_kernel, "02_flash_attention.ipynb", "my_flash_forward_kernel"),
     "paged_decode": (exercises.check_paged_decode_kernel, "03_paged_attention.ipynb", "my_paged_decode_kernel"),
     "rope": (exercises.check_rope_kernel, "03_paged_attention.ipynb", "my_rope_kernel"),
@@ -67,6 +69,7 @@ def test_solution_passes_and_stub_fails(exercise, capsys):
 
 
 PLANTED = [  # exercise, (old line fragment, new), what the message must name
+    ("add_rms_norm", ("tl.sum(h * h, axis=0) / n_cols", "tl.sum(h * h, axis=0) / BLOCK"), "normalized: max error"),
     ("flash_forward", ("acc = acc * alpha[:, None] + tl.dot", "acc = acc + tl.dot"), "rescales l but not acc"),
     ("flash_forward", ("l_i = l_i * alpha + tl.sum", "l_i = l_i + tl.sum"), "rescales acc but not l"),
     ("flash_forward", ("(cols[None, :] <= offs_m[:, None] + n_kv - n_q)", "(cols[None, :] < offs_m[:, None] + n_kv - n_q)"),
@@ -79,7 +82,8 @@ PLANTED = [  # exercise, (old line fragment, new), what the message must name
     ("paged_decode", ("* kv_heads + kv_head\n", "* kv_heads + head\n"), "query head instead of its KV head"),
     ("rope", ("(x1 * cos1 - x2 * sin1)", "(x1 * cos1 + x2 * sin1)"), "first half computed as x1 \\* cos \\+ x2"),
     ("rope", ("tl.store(out_ptr + row, ", "tl.store(out_ptr + row + HALF, "), "left some elements unwritten"),
-    ("rope", ("mask = (h < n_heads) & (d < HALF)", "mask = (h < n_heads) & (d < BLOCK_HALF)"), "past the end"),
+    ("rope", ("mask = (h < n_heads) & (d < HALF)", "mask = (h < n_heads) & (d < BLOCK_HALF)"),
+     "outside out were written"),
     ("rope_store_kv", ("(k2 * cos2 + k1 * sin2)", "(k2 * cos2 - k1 * sin2)"), "the K in the cache.*second half"),
     ("rope_store_kv", ("cache_row = (slot * n_kv_heads", "cache_row = (token * n_kv_heads"), "belongs to another token"),
     ("graph_safe_decode_step", ("    ### BEGIN SOLUTION\n", "    ### BEGIN SOLUTION\n    return out.copy_(exercises.eager_decode_step(q, k_new, v_new, k_cache, v_cache, lengths))\n"),
@@ -90,6 +94,73 @@ PLANTED = [  # exercise, (old line fragment, new), what the message must name
      "builds a tensor from Python data"),
     ("graph_safe_decode_step", ("<= lengths[:, None]", "< lengths[:, None]"), "max error"),
 ]
+
+
+MISSING_MASKS = [  # exercise, edits (applied in turn) that drop a mask, what the message must name
+    ("swiglu", [("tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty), mask=mask)",
+                 "tl.store(out_ptr + offsets, out.to(out_ptr.dtype.element_ty))")], "outside out were written"),
+    ("swiglu", [(", mask=mask)", ")")] * 3, "outside out were written"),  # the crash of issue 22: no mask at all
+    ("add_rms_norm", [("r = tl.load(residual_ptr + row * n_cols + cols, mask=mask, other=0.0)",
+                       "r = tl.load(residual_ptr + row * n_cols + cols)")], "outside residual were read"),
+    ("add_rms_norm", [("tl.store(residual_out_ptr + row * n_cols + cols, h, mask=mask)",
+                       "tl.store(residual_out_ptr + row * n_cols + cols, h)")], "outside residual_out were written"),
+    ("flash_forward", [("v = tl.load(v_rows + cols[:, None] * HEAD_DIM + offs_d[None, :], mask=cols[:, None] < n_kv, "
+                        "other=0.0)", "v = tl.load(v_rows + cols[:, None] * HEAD_DIM + offs_d[None, :])")],
+     "outside v were read"),
+    # A walk one logical block ahead reads the table's -1 past the sequence's blocks; without the pool-bounds mask
+    # that row -1 is read from before the cache.
+    ("paged_decode", [("block_table_ptr + seq * max_blocks + logical)", "block_table_ptr + seq * max_blocks + logical + 1)"),
+                      (" & (rows >= 0) & (rows < pool_rows)", "")], "outside k_cache and v_cache were read"),
+    ("rope", [("tl.store(out_ptr + row + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty), mask=mask)",
+               "tl.store(out_ptr + row + HALF, (x2 * cos2 + x1 * sin2).to(out_ptr.dtype.element_ty))")],
+     "outside out were written"),
+    ("rope_store_kv", [("tl.store(q_out_ptr + q_row + HALF, (q2 * cos2 + q1 * sin2).to(q_out_ptr.dtype.element_ty), "
+                        "mask=q_mask)", "tl.store(q_out_ptr + q_row + HALF, (q2 * cos2 + q1 * sin2).to("
+                        "q_out_ptr.dtype.element_ty))")], "outside q_out were written"),
+]
+
+
+@pytest.mark.parametrize("exercise, edits, message", MISSING_MASKS, ids=[f"{m[0]}-{m[2]}" for m in MISSING_MASKS])
+def test_missing_mask_is_named_and_the_process_survives(exercise, edits, message):
+    """Issue 22: in the interpreter a store without its mask corrupted memory and killed the notebook's kernel.
+    On guarded buffers the access lands in a guard zone, and the checker names it; this test's process going on to
+    the next test is the "stays alive" part."""
+    check, notebook, name = EXERCISES[exercise]
+    source = solution_source(notebook, name)
+    for old, new in edits:
+        assert old in source, f"the planted missing mask no longer applies: {old!r}"
+        source = source.replace(old, new, 1)
+    with pytest.raises(ExerciseFailed, match=f"{message}.*missing mask"):
+        check(define(source, name))
+
+
+def test_a_launcher_called_directly_in_the_interpreter_guards_its_output():
+    """A student timing or trying their kernel through the launcher, not the checker: in the interpreter the
+    launcher's output still sits between guards, so a store without its mask is named, not a crashed kernel."""
+    if runtime.on_gpu():
+        pytest.skip("on a GPU a direct launch allocates no guards (timing stays clean); the checkers still do")
+    _, notebook, name = EXERCISES["swiglu"]
+    source = mutated(solution_source(notebook, name), "out.to(out_ptr.dtype.element_ty), mask=mask)",
+                     "out.to(out_ptr.dtype.element_ty))")
+    gate = torch.randn(5, 7, device=runtime.device())
+    with pytest.raises(ExerciseFailed, match="elements 35..1023 outside out were written"):
+        exercises.swiglu(define(source, name), gate, gate)
+
+
+def test_flash_forward_that_masks_but_never_skips_is_refused():
+    """Causal: a kernel whose loop visits every key tile and hides the invisible ones gives the right values; the
+    checker must still refuse it, since skipping those tiles is the exercise."""
+    check, notebook, name = EXERCISES["flash_forward"]
+    source = mutated(solution_source(notebook, name), "hi = tl.minimum(n_kv, tl.minimum(start_m + BLOCK_M, n_q) + n_kv - n_q)",
+                     "hi = n_kv")
+    with pytest.raises(ExerciseFailed, match="does not skip the key tiles above the diagonal"):
+        check(define(source, name))
+
+
+def test_exercise_failed_renders_as_its_message_in_ipython():
+    """One clear line in a notebook, not a traceback through lessonlib's checker."""
+    lines = ExerciseFailed("swiglu: not implemented yet\n  on inputs of shapes (1, 1)")._render_traceback_()
+    assert len(lines) == 2 and "swiglu: not implemented yet" in lines[0] and "File" not in "".join(lines)
 
 
 @pytest.mark.parametrize("exercise, edit, message", PLANTED, ids=[f"{p[0]}-{p[2][:30]}" for p in PLANTED])

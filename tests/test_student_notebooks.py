@@ -83,6 +83,8 @@ for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
     if cell.cell_type != "code":
         continue
     if check_call.search(cell.source):
+        if "raises-exception" not in cell.metadata.get("tags", []):  # "Run all" in JupyterLab would stop here
+            sys.exit(f"a checker cell without the raises-exception tag: {cell.source.strip()}")
         try:
             run(cell.source, index)
         except ExerciseFailed as e:
@@ -117,13 +119,24 @@ def student_runs() -> dict[str, subprocess.CompletedProcess]:
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
 def test_stubs_fail_their_checks(path, student_runs):
-    """Run the student copy top to bottom (as a student who filled in nothing would): each exercise check fails."""
+    """Run the student copy top to bottom (as a student who filled in nothing would, with "Run all"): each exercise
+    check fails, in a cell tagged raises-exception so that the run goes on, and the lesson runs to its end."""
     student = gen.STUDENT_DIR / path.name
     expected = len(CHECK_CALL.findall("\n".join(c.source for c in nbformat.read(student, as_version=4).cells)))
     result = student_runs[path.name]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     assert f"checks failed: {expected}" in result.stdout
     assert result.stdout.count("not implemented yet") == expected, result.stdout
+
+
+@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
+def test_student_copy_tags_every_checker_cell_raises_exception(path):
+    """"Run all" must reach the end of an untouched student copy: JupyterLab goes on past a failing cell only when
+    it is tagged raises-exception. Only the checker cells are: a lesson cell that fails still stops the run."""
+    copy = gen.student_copy(nbformat.read(path, as_version=4))
+    for cell in copy.cells:
+        tagged = "raises-exception" in cell.metadata.get("tags", [])
+        assert tagged == bool(cell.metadata.get("nbgrader", {}).get("grade")), cell.source[:80]
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)

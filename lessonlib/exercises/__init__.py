@@ -12,7 +12,9 @@ One module per lesson; every checker and launcher is re-exported here (``exercis
   :mod:`~lessonlib.exercises.torch_compile` (04), :mod:`~lessonlib.exercises.cuda_graphs` (05),
   :mod:`~lessonlib.exercises.vllm_blocks` (06), :mod:`~lessonlib.exercises.serving_engine` (07);
 * :mod:`~lessonlib.exercises._checking`: what they share (:class:`ExerciseFailed`, poisoned calls, the tolerance
-  check, the diagnosis of known kernel mistakes).
+  check, the diagnosis of known kernel mistakes);
+* :mod:`~lessonlib.exercises._guards`: the guard zones every kernel exercise's tensors sit in, so that a missing
+  mask is named instead of corrupting memory.
 """
 
 from lessonlib.exercises._checking import ExerciseFailed
@@ -21,8 +23,8 @@ from lessonlib.exercises.cuda_graphs import (GRAPH_SAFE_STEPS, check_graph_safe_
 from lessonlib.exercises.flash_attention import (FLASH_FORWARD_CASES, check_flash_attention, check_flash_forward_kernel,
                                                  check_key_tile_bound, check_online_softmax_update, flash_forward,
                                                  flash_forward_config)
-from lessonlib.exercises.operator_fusion import (ADD_RMS_NORM_SHAPES, SWIGLU_SHAPES, check_add_rms_norm,
-                                                 check_apply_rope, check_fused_backward, check_swiglu)
+from lessonlib.exercises.operator_fusion import (ADD_RMS_NORM_SHAPES, SWIGLU_SHAPES, add_rms_norm, check_add_rms_norm,
+                                                 check_apply_rope, check_fused_backward, check_swiglu, swiglu)
 from lessonlib.exercises.paged_attention import (PAGED_DECODE_CASES, check_free_sequence, check_paged_decode_kernel,
                                                  check_physical_slot, paged_decode)
 from lessonlib.exercises.rope_store_kv import (ROPE_CASES, ROPE_STORE_KV_CASES, check_rope_kernel,
@@ -32,10 +34,10 @@ from lessonlib.exercises.torch_compile import check_no_graph_break
 from lessonlib.exercises.vllm_blocks import check_blocks_needed
 
 __all__ = ["ADD_RMS_NORM_SHAPES", "ExerciseFailed", "FLASH_FORWARD_CASES", "GRAPH_SAFE_STEPS", "PAGED_DECODE_CASES",
-           "ROPE_CASES", "ROPE_STORE_KV_CASES", "SWIGLU_SHAPES", "check_add_rms_norm", "check_apply_rope",
-           "check_blocks_needed", "check_can_admit", "check_flash_attention", "check_flash_forward_kernel",
-           "check_free_sequence", "check_fused_backward", "check_graph_safe_decode_step", "check_key_tile_bound",
-           "check_no_graph_break", "check_online_softmax_update", "check_paged_decode_kernel", "check_physical_slot",
-           "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel", "check_swiglu",
-           "check_top_p_filter", "eager_decode_step", "flash_forward", "flash_forward_config", "paged_decode", "rope",
-           "rope_store_kv", "rope_store_kv_bytes"]
+           "ROPE_CASES", "ROPE_STORE_KV_CASES", "SWIGLU_SHAPES", "add_rms_norm", "check_add_rms_norm",
+           "check_apply_rope", "check_blocks_needed", "check_can_admit", "check_flash_attention",
+           "check_flash_forward_kernel", "check_free_sequence", "check_fused_backward", "check_graph_safe_decode_step",
+           "check_key_tile_bound", "check_no_graph_break", "check_online_softmax_update", "check_paged_decode_kernel",
+           "check_physical_slot", "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
+           "check_swiglu", "check_top_p_filter", "eager_decode_step", "flash_forward", "flash_forward_config",
+           "paged_decode", "rope", "rope_store_kv", "rope_store_kv_bytes", "swiglu"]

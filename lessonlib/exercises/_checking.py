@@ -19,7 +19,25 @@ from lessonlib.testing import check_close, poisoned_outputs
 
 
 class ExerciseFailed(AssertionError):
-    """The student's code does not (yet) meet the exercise's spec; the message says why."""
+    """The student's code does not (yet) meet the exercise's spec; the message says why.
+
+    In IPython (Jupyter) the failure shows as its message alone, not as a traceback through lessonlib's checker:
+    the student's own error, where there is one, is named in the message. The exception is still raised, so the
+    cell fails, ``pytest.raises`` sees it, and the grader (:mod:`lessonlib.grading`) reads its name and message."""
+
+    def _render_traceback_(self) -> list[str]:
+        lines = str(self).splitlines() or [""]
+        return [f"\x1b[31m✗ {lines[0]}\x1b[0m", *lines[1:]]
+
+
+def _require_kernel(name: str, kernel, written_as: str) -> None:
+    """Kernel exercises take the student's @triton.jit kernel itself and launch it: a Python function (a wrapper
+    computing in PyTorch, say) is refused before anything runs."""
+    if not (hasattr(kernel, "fn") and hasattr(type(kernel), "__getitem__")):
+        raise ExerciseFailed(
+            f"{name}: pass your @triton.jit kernel ({written_as}), not {type(kernel).__name__} "
+            f"{getattr(kernel, '__name__', '')!s}: the checker launches the kernel itself, so only what the kernel "
+            "writes is checked (a function computing the answer in PyTorch is not the exercise).")
 
 
 def _describe(args) -> str:
@@ -31,6 +49,8 @@ def _call(name: str, fn, args):
     try:
         with poisoned_outputs():
             return fn(*args)
+    except ExerciseFailed:  # a launcher's own finding (a write outside the output): already says what to fix
+        raise
     except NotImplementedError as e:
         raise ExerciseFailed(f"{name}: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
     except Exception as e:  # the student's bug: say where it happened

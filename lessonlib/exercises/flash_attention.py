@@ -4,11 +4,15 @@ attention, and the FlashAttention forward kernel the student writes (kernel exer
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output
-from lessonlib.testing import attention_allowance, to_float64
+from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
+                                           _require_kernel)
+from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.testing import attention_allowance, check_close, to_float64
 
 
 def check_online_softmax_update(fn) -> None:
@@ -109,11 +113,12 @@ def flash_forward_config() -> dict:
 
 
 def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
-                  config: dict | None = None) -> torch.Tensor:
+                  config: dict | None = None, guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's forward kernel: one program per (query tile, batch x head), as lessonlib's kernel.
 
     q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs are made
-    contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out like q."""
+    contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out like q. ``guards``: the
+    checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
     from lessonlib.ops._common import launch
@@ -123,10 +128,11 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     batch, heads, n_q, head_dim = q.shape
     config = config or flash_forward_config()
-    out = torch.empty_like(q)
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
-    launch(kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
-           CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
+    with launch_guards("flash_forward", guards) as guards:
+        out = output_like(guards, "out", q)
+        launch(kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
+               CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
     return out
 
 
@@ -217,9 +223,11 @@ FLASH_FORWARD_CASES = (  # (batch, heads, kv_heads, n_q, n_kv, head_dim, causal)
 def check_flash_forward_kernel(kernel) -> None:
     """``kernel``: the exercise's @triton.jit forward kernel, launched by :func:`flash_forward`. Checked against
     float64 attention on odd lengths (1, 7, 45, 100), GQA and MQA, causal with Nq != Nkv, in every dtype the
-    FlashAttention kernels take here, outputs poisoned; a wrong answer is matched against known mistakes."""
+    FlashAttention kernels take here, outputs poisoned, every tensor in guard zones (a missing mask is named); a
+    wrong answer is matched against known mistakes. Then causal tile skipping (:func:`_check_causal_tiles_skipped`)."""
     from lessonlib.ops.flash_attention import flash_attention_dtypes
 
+    _require_kernel("flash_forward", kernel, "my_flash_forward_kernel")
     block_n = flash_forward_config()["BLOCK_N"]
     for dtype in flash_attention_dtypes():
         for batch, heads, kv_heads, n_q, n_kv, head_dim, causal in FLASH_FORWARD_CASES:
@@ -227,7 +235,10 @@ def check_flash_forward_kernel(kernel) -> None:
                               (batch, kv_heads, n_kv, head_dim), dtype=dtype)
             where = (f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {str(dtype).removeprefix('torch.')}, "
                      f"causal={causal}")
-            out = _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=causal), (q, k, v))
+            guards = Guards("flash_forward")
+            q, k, v = (guards.place(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+            out = guards.run(lambda: _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=causal,
+                                                                                     guards=guards), (q, k, v)))
             if not isinstance(out, torch.Tensor) or out.shape != q.shape:
                 raise ExerciseFailed(f"flash_forward returned {getattr(out, 'shape', out)!r}; expected {tuple(q.shape)}")
             truth = reference.attention(*to_float64(q, k, v), causal=causal)
@@ -239,7 +250,46 @@ def check_flash_forward_kernel(kernel) -> None:
             _diagnose("flash_forward", out, truth, reference.attention(q, k, v, causal=causal),
                       lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
                       attention_allowance(q, k, v))
+    _check_causal_tiles_skipped(kernel)
     print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")
+
+
+def _check_causal_tiles_skipped(kernel) -> None:
+    """With CAUSAL, the first query tile must not visit the key tiles above the diagonal: its loop stops at the
+    tile holding key ``key_tile_bound`` - 1 (exercise 2). Those keys' K and V are set to NaN: a kernel that skips
+    never loads them and its first tile's output is exact; one that visits them and only masks the scores loads
+    the NaN V and multiplies it by p = 0, and NaN * 0 is NaN (in the interpreter and on a GPU alike). Later query
+    tiles do see those keys (their output is NaN here, and not checked)."""
+    config = flash_forward_config()
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    n_q = n_kv = 4 * block_m + 5  # several query tiles; the first sees keys 0 .. BLOCK_M - 1 only
+    first_skipped = -(-block_m // block_n) * block_n  # the first key tile past the first query tile's bound
+    from lessonlib.ops.flash_attention import flash_attention_dtypes
+
+    # The first dtype the checks above use (float32 here; on a GPU float16: a float32 tl.dot runs in TF32 there).
+    q, k, v = _inputs((1, 2, n_q, 16), (1, 1, n_kv, 16), (1, 1, n_kv, 16), dtype=flash_attention_dtypes()[0])
+    truth = reference.attention(*to_float64(q, k, v), causal=True)[:, :, :block_m]
+    low = reference.attention(q, k, v, causal=True)[:, :, :block_m]
+    allowance = attention_allowance(q, k, v)
+    k[:, :, first_skipped:], v[:, :, first_skipped:] = float("nan"), float("nan")
+    guards = Guards("flash_forward")
+    q, k, v = (guards.place(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
+    with warnings.catch_warnings():  # the later tiles' max over NaN scores: expected here, not the student's to see
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=True, guards=guards), (q, k, v))
+    guards.check_writes()
+    first_tile = out[:, :, :block_m]
+    if first_tile.isnan().any():
+        raise ExerciseFailed(
+            f"flash_forward: with CAUSAL your kernel does not skip the key tiles above the diagonal: the first "
+            f"query tile (queries 0..{block_m - 1} of {n_q}) loaded keys {first_skipped}..{n_kv - 1}, which none of "
+            "its queries can see (they were set to NaN, and NaN reached its output). Masking them gives the right "
+            "values but does all the work; stop the loop at hi = min(start_m + BLOCK_M, Nq) + Nkv - Nq (exercise 2).")
+    try:  # the tolerance rule of lessonlib.testing, as for every output above
+        check_close("flash_forward", first_tile, truth, low, allowance=allowance)
+    except AssertionError as e:
+        raise ExerciseFailed(f"{e}\n  with CAUSAL, on the first query tile when only keys it cannot see changed: "
+                             f"its output must depend on keys 0..{block_m - 1} alone") from None

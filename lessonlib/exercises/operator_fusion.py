@@ -1,4 +1,5 @@
-"""Lesson 01's checkers (notebook 01_operator_fusion): swiglu, add_rms_norm and apply_rope, and the fused ops'
+"""Lesson 01's checkers (notebook 01_operator_fusion): the two kernel exercises (swiglu, add_rms_norm: the student
+writes the @triton.jit kernel, a launcher here launches it on guarded buffers), apply_rope, and the fused ops'
 gradients."""
 
 from __future__ import annotations
@@ -6,38 +7,113 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _call, _check_output, _inputs
+from lessonlib.exercises._checking import ExerciseFailed, _call, _check_output, _inputs, _require_kernel
+from lessonlib.exercises._guards import Guards, launch_guards, output_like
 from lessonlib.testing import to_float64
 
 
 SWIGLU_SHAPES = [(1, 1), (7, 123), (33, 1000)]
 ADD_RMS_NORM_SHAPES = [(1, 8), (5, 123), (16, 1000)]
+SWIGLU_BLOCK = 1024  # elements per program: 4 KB of float32 per input, a few loads per thread on a GPU
 
 
-def check_swiglu(fn) -> None:
-    """``fn(gate, up)`` must equal ``silu(gate) * up``."""
+# --- The launchers: given. They validate, allocate and launch the student's kernel; nothing else computes. -------
+
+
+def swiglu(kernel, gate: torch.Tensor, up: torch.Tensor, guards: Guards | None = None) -> torch.Tensor:
+    """Launch the exercise's swiglu kernel, one program per ``SWIGLU_BLOCK`` elements of the inputs seen as flat
+    arrays (made contiguous): ``kernel[grid](gate, up, out, n_elements, BLOCK=SWIGLU_BLOCK)``. Returns ``out``
+    like ``gate``. ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
+    import triton
+
+    from lessonlib.ops._common import check_tensors, launch
+
+    check_tensors("swiglu", gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {tuple(gate.shape)} and up {tuple(up.shape)} must have the same shape")
+    gate, up = gate.contiguous(), up.contiguous()
+    with launch_guards("swiglu", guards) as guards:
+        out = output_like(guards, "out", gate)
+        if gate.numel():
+            launch(kernel, (triton.cdiv(gate.numel(), SWIGLU_BLOCK),), gate, up, out, gate.numel(), BLOCK=SWIGLU_BLOCK)
+    return out
+
+
+def add_rms_norm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+                 guards: Guards | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the exercise's add + RMSNorm kernel, one program per row of the contiguous (rows, n_cols) inputs:
+    ``kernel[(rows,)](x, residual, weight, out, residual_out, n_cols, eps, BLOCK=next_power_of_2(n_cols))``.
+    Returns ``(out, residual_out)``, each like ``x``."""
+    from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+
+    check_tensors("add_rms_norm", x=x, residual=residual, weight=weight)
+    if x.shape != residual.shape or x.dim() < 1 or weight.shape != x.shape[-1:]:
+        raise ValueError(f"add_rms_norm: x and residual must have one shape (..., H) and weight (H,); got "
+                         f"{tuple(x.shape)}, {tuple(residual.shape)}, {tuple(weight.shape)}")
+    x, residual, weight = x.contiguous(), residual.contiguous(), weight.contiguous()
+    n_cols = x.shape[-1]
+    with launch_guards("add_rms_norm", guards) as guards:
+        out, residual_out = output_like(guards, "out", x), output_like(guards, "residual_out", x)
+        if x.numel():
+            launch(kernel, (x.numel() // n_cols,), x, residual, weight, out, residual_out, n_cols, eps,
+                   BLOCK=next_power_of_2(n_cols))
+    return out, residual_out
+
+
+# --- The checkers ----------------------------------------------------------------------------------------------
+
+
+def _library_op_or_kernel(name: str, kernel, op, written_as: str) -> None:
+    if (kernel is None) == (op is None):
+        raise TypeError(f"check_{name}: pass your @triton.jit kernel ({written_as}), or op= a whole op (lessonlib's)")
+    if kernel is not None:
+        _require_kernel(name, kernel, written_as)
+
+
+def check_swiglu(kernel=None, *, op=None) -> None:
+    """``kernel``: the exercise's @triton.jit kernel, launched by :func:`swiglu` on guarded inputs; ``out`` must be
+    ``silu(gate) * up``. ``op=fn``: check a whole op ``fn(gate, up)`` instead (the lesson checks lessonlib's own
+    this way); a Python function passed as the kernel is refused."""
+    _library_op_or_kernel("swiglu", kernel, op, "my_swiglu_kernel")
     for dtype in runtime.supported_dtypes():
         for shape in SWIGLU_SHAPES:
             gate, up = _inputs(shape, shape, dtype=dtype)
-            out = _call("swiglu", fn, (gate, up))
+            if op is not None:
+                out = _call("swiglu", op, (gate, up))
+            else:
+                guards = Guards("swiglu")
+                gate, up = guards.place("gate", gate), guards.place("up", up)
+                out = guards.run(lambda: _call("swiglu", lambda g, u: swiglu(kernel, g, u, guards), (gate, up)))
             _check_output("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up), (gate, up))
-    print(f"✓ swiglu matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
+    what = "lessonlib's op" if op is not None else "your kernel"
+    print(f"✓ swiglu: {what} matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
 
 
-def check_add_rms_norm(fn) -> None:
-    """``fn(x, residual, weight, eps)`` must return ``(normalized, updated_residual)`` as the reference does."""
+def check_add_rms_norm(kernel=None, *, op=None) -> None:
+    """``kernel``: the exercise's @triton.jit kernel, launched by :func:`add_rms_norm` on guarded inputs; it must
+    give ``(normalized, updated_residual)`` as the reference does. ``op=fn``: check a whole op
+    ``fn(x, residual, weight, eps)`` instead (lessonlib's own); a Python function passed as the kernel is refused."""
+    _library_op_or_kernel("add_rms_norm", kernel, op, "my_add_rms_norm_kernel")
     for dtype in runtime.supported_dtypes():
         for shape in ADD_RMS_NORM_SHAPES:
             x, residual, weight = _inputs(shape, shape, shape[-1:], dtype=dtype)
+            if op is not None:
+                result = _call("add_rms_norm", op, (x, residual, weight, 1e-6))
+            else:
+                guards = Guards("add_rms_norm")
+                x, residual, weight = (guards.place(w, t) for w, t in (("x", x), ("residual", residual),
+                                                                        ("weight", weight)))
+                result = guards.run(lambda: _call("add_rms_norm", lambda *a: add_rms_norm(kernel, *a, guards=guards),
+                                                  (x, residual, weight, 1e-6)))
             args = (x, residual, weight, 1e-6)
-            result = _call("add_rms_norm", fn, args)
             if not (isinstance(result, tuple) and len(result) == 2):
                 raise ExerciseFailed(f"add_rms_norm returned {type(result).__name__}; expected a tuple (normalized, updated_residual)")
             truth = reference.add_rms_norm(*to_float64(x, residual, weight), 1e-6)
             low = reference.add_rms_norm(x, residual, weight, 1e-6)
             _check_output("add_rms_norm: updated_residual", result[1], truth[1], low[1], args)
             _check_output("add_rms_norm: normalized", result[0], truth[0], low[0], args)
-    print(f"✓ add_rms_norm matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
+    what = "lessonlib's op" if op is not None else "your kernel"
+    print(f"✓ add_rms_norm: {what} matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
 
 
 def check_apply_rope(fn) -> None:

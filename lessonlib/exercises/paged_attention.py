@@ -7,7 +7,9 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output
+from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
+                                           _require_kernel)
+from lessonlib.exercises._guards import Guards, launch_guards, output_like
 from lessonlib.testing import attention_allowance, to_float64
 
 
@@ -86,11 +88,12 @@ def check_free_sequence(fn) -> None:
 
 
 def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                 seq_lens: torch.Tensor) -> torch.Tensor:
+                 seq_lens: torch.Tensor, guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's decode kernel: one program per (sequence, query head). Inputs as
     ``lessonlib.reference.paged_attention``: q (B, H, D); caches (num_blocks, block_size, Hkv, D) contiguous with
     block_size and D powers of two (tl.arange needs them); block_table (B, max_blocks) int32; seq_lens (B,) int32,
-    each at least 1. Validated as lessonlib's kernel validates them, tables included. Returns (B, H, D)."""
+    each at least 1. Validated as lessonlib's kernel validates them, tables included. Returns (B, H, D).
+    ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     from lessonlib.ops._common import launch
     from lessonlib.ops.paged_attention import check_inputs
 
@@ -98,10 +101,11 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     q = q.contiguous()
     batch, heads, head_dim = q.shape
     num_blocks, block_size, kv_heads, _ = k_cache.shape
-    out = torch.empty_like(q)
-    launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
-           block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
-           GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
+    with launch_guards("paged_decode", guards) as guards:
+        out = output_like(guards, "out", q)
+        launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
+               block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
+               GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
     return out
 
 
@@ -184,14 +188,18 @@ def _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype):
 def check_paged_decode_kernel(kernel) -> None:
     """``kernel``: the exercise's decode kernel (its block-table walk written by the student), launched by
     :func:`paged_decode`. Checked against ``reference.paged_attention`` in float64 on shuffled tables, GQA, block
-    sizes 16 and 32, lengths 1 to 100 (not multiples of the block size), in every supported dtype."""
+    sizes 16 and 32, lengths 1 to 100 (not multiples of the block size), in every supported dtype, every tensor in
+    guard zones (a missing mask is named)."""
+    _require_kernel("paged_decode", kernel, "my_paged_decode_kernel")
     for dtype in runtime.supported_dtypes():
         for batch, heads, kv_heads, head_dim, block_size, lengths in PAGED_DECODE_CASES:
-            args = _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype)
+            guards = Guards("paged_decode")
+            args = tuple(guards.place(name, t) for name, t in zip(("q", "k_cache", "v_cache", "block_table", "seq_lens"),
+                         _paged_inputs(batch, heads, kv_heads, head_dim, block_size, lengths, dtype)))
             q, k_cache, v_cache, table, seq_lens = args
             where = (f"{batch} sequences of {list(lengths)} tokens, {heads} query heads over {kv_heads} KV heads, "
                      f"block_size {block_size}, {str(dtype).removeprefix('torch.')}, block table {table.tolist()}")
-            out = _call("paged_decode", lambda *a: paged_decode(kernel, *a), args)
+            out = guards.run(lambda: _call("paged_decode", lambda *a: paged_decode(kernel, *a, guards=guards), args))
             truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
             if out.isnan().all():
                 raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")

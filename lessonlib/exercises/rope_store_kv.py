@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs
+from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _require_kernel
+from lessonlib.exercises._guards import Guards, launch_guards, output_like
 from lessonlib.testing import to_float64
 
 
@@ -31,25 +32,21 @@ def _check_rope_args(op: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Ten
                          f"and {tuple(sin.shape)}")
 
 
-def rope(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rope(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's RoPE kernel, one program per token. x: (T, H, D), D even, the new tokens' queries or
     keys as a projection returns them; cos, sin: (T, D), each token's angles (``reference.rope_cos_sin``).
-    Returns x rotated, (T, H, D), as ``reference.apply_rope`` rotates it."""
+    Returns x rotated, (T, H, D), as ``reference.apply_rope`` rotates it. ``guards``: the checker's
+    (:mod:`~lessonlib.exercises._guards`)."""
     from lessonlib.ops._common import launch
 
     _check_rope_args("rope", x, cos, sin)
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     sizes = _rope_launch_sizes(x.shape[1], x.shape[2])
-    # A guard zone after the output, as large as one program's padded tile: a store that a missing mask lets run
-    # past the end lands there (and is reported) instead of corrupting memory and killing the notebook's kernel.
-    guard = sizes["BLOCK_H"] * 4 * sizes["BLOCK_HALF"]
-    buffer = torch.full((x.numel() + guard,), float("nan"), dtype=x.dtype, device=x.device)
-    out = buffer[: x.numel()].view(x.shape)
-    if x.numel():
-        launch(kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes, num_warps=1 if not runtime.on_gpu() else 4)
-    if not buffer[x.numel():].isnan().all():
-        raise ValueError("rope: the kernel wrote past the end of its output: every store needs its mask "
-                         "(heads h < n_heads, columns d < HALF)")
+    with launch_guards("rope", guards) as guards:
+        out = output_like(guards, "out", x)
+        if x.numel():
+            launch(kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes,
+                   num_warps=1 if not runtime.on_gpu() else 4)
     return out
 
 
@@ -91,12 +88,16 @@ def _rope_inputs(tokens, heads, head_dim, dtype):
 def check_rope_kernel(kernel) -> None:
     """``kernel``: the exercise's @triton.jit RoPE kernel, launched by :func:`rope`. Checked against
     ``reference.apply_rope`` in float64 on 1 to 33 tokens, 1 to 8 heads, head_dim 2 to 80 (half not a power of
-    two), random positions up to 4096, every supported dtype, outputs poisoned."""
+    two), random positions up to 4096, every supported dtype, outputs poisoned, every tensor in guard zones (a
+    missing mask is named)."""
+    _require_kernel("rope", kernel, "my_rope_kernel")
     for dtype in runtime.supported_dtypes():
         for tokens, heads, head_dim in ROPE_CASES:
-            x, cos, sin = _rope_inputs(tokens, heads, head_dim, dtype)
+            guards = Guards("rope")
+            x, cos, sin = (guards.place(name, t) for name, t in
+                           zip(("x", "cos", "sin"), _rope_inputs(tokens, heads, head_dim, dtype)))
             where = f"x {tuple(x.shape)}, {str(dtype).removeprefix('torch.')}"
-            out = _call("rope", lambda *a: rope(kernel, *a), (x, cos, sin))
+            out = guards.run(lambda: _call("rope", lambda *a: rope(kernel, *a, guards=guards), (x, cos, sin)))
             truth = _rope_reference(*to_float64(x, cos, sin))
             _check_output_written("rope", out, truth, where)
             cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
@@ -119,7 +120,8 @@ def _check_output_written(name: str, out, truth: torch.Tensor, where: str) -> No
 
 
 def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                  guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's fused kernel, one program per new token: rotate q (returned) and k, and write k and v
     straight into their cache slots. q: (T, H, D); k, v: (T, Hkv, D); cos, sin: (T, D); caches (num_blocks,
     block_size, Hkv, D) contiguous; slots: (T,) int64, distinct, inside the pool (checked, as store_kv checks)."""
@@ -145,13 +147,14 @@ def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     if bool(((slots < 0) | (slots >= num_slots)).any()) or torch.unique(slots).numel() != slots.numel():
         raise ValueError(f"rope_store_kv: slots must be distinct and in [0, {num_slots})")
     q, k, v, cos, sin = (t.contiguous() for t in (q, k, v, cos, sin))
-    q_out = torch.empty_like(q)
     sizes = _rope_launch_sizes(q.shape[1], q.shape[2])
     from lessonlib.ops._common import next_power_of_2
 
-    launch(kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
-           HALF=sizes["HALF"], BLOCK_HQ=sizes["BLOCK_H"], BLOCK_HKV=next_power_of_2(k.shape[1]),
-           BLOCK_HALF=sizes["BLOCK_HALF"], num_warps=1 if not runtime.on_gpu() else 4)
+    with launch_guards("rope_store_kv", guards) as guards:
+        q_out = output_like(guards, "q_out", q)
+        launch(kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
+               HALF=sizes["HALF"], BLOCK_HQ=sizes["BLOCK_H"], BLOCK_HKV=next_power_of_2(k.shape[1]),
+               BLOCK_HALF=sizes["BLOCK_HALF"], num_warps=1 if not runtime.on_gpu() else 4)
     return q_out
 
 
@@ -162,7 +165,8 @@ def check_rope_store_kv_kernel(kernel) -> None:
     """``kernel``: the exercise's fused RoPE + cache-write kernel, launched by :func:`rope_store_kv`. Checked
     against ``reference.apply_rope`` followed by the cache write ``store_kv`` does (vLLM's reshape_and_cache): the
     rotated q returned, rotated k and plain v in each token's slot (poisoned with NaN before the call), and every
-    other slot of the pool unchanged, bit for bit."""
+    other slot of the pool unchanged, bit for bit; every tensor in guard zones (a missing mask is named)."""
+    _require_kernel("rope_store_kv", kernel, "my_rope_store_kv_kernel")
     for dtype in runtime.supported_dtypes():
         for tokens, heads, kv_heads, head_dim, block_size in ROPE_STORE_KV_CASES:
             q, cos, sin = _rope_inputs(tokens, heads, head_dim, dtype)
@@ -170,12 +174,17 @@ def check_rope_store_kv_kernel(kernel) -> None:
             num_blocks = -(-tokens // block_size) + 2
             k_cache, v_cache = _inputs(*[(num_blocks, block_size, kv_heads, head_dim)] * 2, dtype=dtype)
             slots = torch.randperm(num_blocks * block_size, device=runtime.device())[:tokens]
+            guards = Guards("rope_store_kv")
+            q, k, v, cos, sin, k_cache, v_cache, slots = (
+                guards.place(name, t) for name, t in zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slots"),
+                                                         (q, k, v, cos, sin, k_cache, v_cache, slots)))
             flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
             flat_k[slots], flat_v[slots] = float("nan"), float("nan")  # what the kernel must overwrite
             k_before, v_before = k_cache.clone(), v_cache.clone()
             where = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, slots {slots.tolist()}, {str(dtype).removeprefix('torch.')}"
-            q_out = _call("rope_store_kv", lambda *a: rope_store_kv(kernel, *a),
-                          (q, k, v, cos, sin, k_cache, v_cache, slots))
+            q_out = guards.run(lambda: _call("rope_store_kv", lambda *a: rope_store_kv(kernel, *a, guards=guards),
+                                             (q, k, v, cos, sin, k_cache, v_cache, slots)),
+                               lambda q_out: (q_out, flat_k[slots], flat_v[slots]))
             q64, k64, v64, cos64, sin64 = (t.cpu() for t in to_float64(q, k, v, cos, sin))
             if isinstance(q_out, torch.Tensor) and q_out.isnan().all() and flat_k[slots].isnan().all() \
                     and flat_v[slots].isnan().all():

@@ -59,9 +59,23 @@ def lock(cell) -> None:
         cell.metadata["editable"] = False
 
 
+RAISES = "raises-exception"
+
+
+def tag_checker(cell) -> None:
+    """Tag a checker cell ``raises-exception``: its check of an unsolved exercise fails (a one-line ExerciseFailed),
+    and "Run all" goes on past it (JupyterLab and Notebook 7 send such a cell with stop_on_error off; nbclient and
+    nbval allow its error), so later cells, which use lessonlib's own versions, still run. Grading is unchanged: the
+    grader runs its own copy of the checker and reads the error."""
+    if _nbgrader(cell).get("grade") and not _nbgrader(cell).get("solution"):
+        tags = cell.metadata.setdefault("tags", [])
+        if RAISES not in tags:
+            tags.append(RAISES)
+
+
 def student_copy(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The notebook a student gets: solutions stripped, outputs cleared, exercise cells locked; what
-    ``nbgrader generate_assignment`` releases, less nbgrader's gradebook checksums."""
+    """The notebook a student gets: solutions stripped, outputs cleared, exercise cells locked, checker cells tagged
+    (:func:`tag_checker`); what ``nbgrader generate_assignment`` releases, less nbgrader's gradebook checksums."""
     copy = nbformat.from_dict(notebook)
     for cell in copy.cells:
         if cell.cell_type == "code":
@@ -69,6 +83,7 @@ def student_copy(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.outputs = []
             cell.execution_count = None
         lock(cell)
+        tag_checker(cell)
     return copy
 
 
@@ -105,9 +120,10 @@ def configure_nbgrader(c) -> None:
     """Configure nbgrader for this course; a course folder's ``nbgrader_config.py`` calls it (written by
     ``tools/make_student_notebooks.py --nbgrader-course DIR``). nbgrader's own ClearSolutions would put a ``raise``
     inside the ``@triton.jit`` kernels of lesson 01, which does not compile on a GPU: the course's stub rule
-    (:func:`strip_solutions`) replaces it, so nbgrader releases exactly the committed student copies."""
+    (:func:`strip_solutions`) replaces it, and checker cells are tagged as :func:`tag_checker` tags them, so nbgrader
+    releases exactly the committed student copies."""
     from nbgrader.converters import GenerateAssignment
-    from nbgrader.preprocessors import ClearSolutions
+    from nbgrader.preprocessors import ClearSolutions, LockCells
 
     class CourseClearSolutions(ClearSolutions):
         def _replace_solution_region(self, cell, language):
@@ -118,6 +134,13 @@ def configure_nbgrader(c) -> None:
 
     # The trait's default() (its default_value is a Sentinel under traitlets 5.x: iterating it raised, nbgrader logged
     # the broken config and released with its own stubs, which the triton exercises of 02 and 03 exposed).
+    class CourseLockCells(LockCells):  # and tags the checker cells as student_copy does
+        def preprocess_cell(self, cell, resources, index):
+            cell, resources = super().preprocess_cell(cell, resources, index)
+            tag_checker(cell)
+            return cell, resources
+
     default = GenerateAssignment.class_traits()["preprocessors"].default()
-    c.GenerateAssignment.preprocessors = [CourseClearSolutions if p is ClearSolutions else p for p in default]
+    course = {ClearSolutions: CourseClearSolutions, LockCells: CourseLockCells}
+    c.GenerateAssignment.preprocessors = [course.get(p, p) for p in default]
     c.Execute.timeout = 600  # seconds per cell, as the course's nbval runs allow

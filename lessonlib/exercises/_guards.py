@@ -1,0 +1,151 @@
+"""Guard zones around the tensors a checker hands to a student's kernel, so that a missing mask is caught and named
+instead of corrupting memory.
+
+In Triton's interpreter a store past a tensor's end writes into whatever the process keeps there: the notebook's
+kernel dies later (``free(): invalid pointer``) and the student loses everything they ran. So every tensor a kernel
+exercise's kernel touches is placed in the middle of a larger buffer, ``[guard | tensor | guard]``, each guard at
+least as large as the tensor plus one tile (:data:`MARGIN`): an access that a missing mask lets run up to a tile
+past either end stays inside memory the buffer owns. Afterwards:
+
+* writes: every guard must still hold what it was filled with; the first and last element changed are named;
+* reads: inputs' guards hold NaN, so an unmasked load whose value reaches the output makes it NaN. When an output
+  holds NaN, the launch is repeated with one tensor's guards holding 0 instead: if the output changes, the kernel
+  read outside that tensor.
+
+Outputs' guards hold a finite sentinel, not NaN: an unmasked load past an input's end gives NaN, and storing that
+NaN past the output's end must still count as a write.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+from lessonlib import runtime
+from lessonlib.exercises._checking import ExerciseFailed
+
+# Elements of slack beyond the tensor's own size on each side: the largest tile an exercise launcher uses (a
+# FlashAttention tile of 32 keys x 128 dims on a GPU; 1,024 elements for swiglu's blocks; rows of up to 1,024).
+MARGIN = 4096
+OUTPUT_SENTINEL = -12345.0  # exact in float16, bfloat16 and float32; no exercise's output takes this value
+INT_FILL = -1  # an index guard: a table or slot read past its end gives -1, which lands in another tensor's guard
+
+
+def _fill_for(dtype: torch.dtype, output: bool):
+    if not dtype.is_floating_point:
+        return INT_FILL
+    return OUTPUT_SENTINEL if output else float("nan")
+
+
+class Guards:
+    """The guarded tensors of one launch: :meth:`place` copies an input into a guarded buffer, :meth:`empty`
+    allocates an output there (NaN-poisoned, as ``testing.poisoned_outputs`` does), :meth:`check_writes` and
+    :meth:`run` find accesses outside them."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.zones = []  # (what, buffer, start, numel, fill, output)
+
+    def _allocate(self, what: str, shape, dtype, device, output: bool) -> torch.Tensor:
+        numel = 1
+        for size in shape:
+            numel *= int(size)
+        guard = numel + MARGIN
+        fill = _fill_for(dtype, output)
+        buffer = torch.full((guard + numel + guard,), fill, dtype=dtype, device=device)
+        self.zones.append((what, buffer, guard, numel, fill, output))
+        return buffer[guard:guard + numel].view(shape)
+
+    def place(self, what: str, t: torch.Tensor) -> torch.Tensor:
+        """A contiguous copy of input ``t`` inside a guarded buffer."""
+        view = self._allocate(what, t.shape, t.dtype, t.device, output=False)
+        return view.copy_(t)
+
+    def empty(self, what: str, like: torch.Tensor) -> torch.Tensor:
+        """An output shaped like ``like``, NaN-filled (integers: 0), inside a guarded buffer."""
+        view = self._allocate(what, like.shape, like.dtype, like.device, output=True)
+        return view.fill_(float("nan") if like.is_floating_point() else 0)
+
+    def check_writes(self) -> None:
+        """Raise ExerciseFailed naming the first tensor whose guard was written, and the elements written."""
+        for what, buffer, start, numel, fill, _ in self.zones:
+            for zone, offset in ((buffer[:start], -start), (buffer[start + numel:], numel)):
+                kept = zone.isnan() if isinstance(fill, float) and fill != fill else zone == fill
+                if not bool(kept.all()):
+                    changed = (~kept).nonzero().flatten()
+                    first, last = int(changed[0]) + offset, int(changed[-1]) + offset
+                    raise ExerciseFailed(
+                        f"{self.name}: elements {first}..{last} outside {what} were written ({what} has {numel} "
+                        f"elements, 0..{numel - 1}): a missing mask? A tl.store of a block that can run past the "
+                        "end needs mask=offsets < n.")
+
+    @contextmanager
+    def _input_guards(self, names, value: float):
+        """Inside: the guards of the inputs ``names`` hold ``value``; afterwards, what they held before."""
+        zones = [(buffer[:start], buffer[start + numel:]) for what, buffer, start, numel, _, _ in self.zones
+                 if what in names]
+        saved = [(before.clone(), after.clone()) for before, after in zones]
+        for before, after in zones:
+            before.fill_(value)
+            after.fill_(value)
+        try:
+            yield
+        finally:
+            for (before, after), (old_before, old_after) in zip(zones, saved):
+                before.copy_(old_before)
+                after.copy_(old_after)
+
+    def run(self, launch, outputs=lambda result: result):
+        """``launch()`` (the call under check), then check the guards. ``outputs(result)``: the tensors it produced
+        (a tensor or a tuple; in-place outputs included). If they hold NaN, repeat the launch with every float
+        input's guards at 0: if the output changes, the kernel read outside an input, and one more launch per input
+        (its guards NaN again, the others' 0) names which. A stub's untouched NaN output costs one more launch."""
+
+        def produced(result):
+            made = outputs(result)
+            return [t.clone() for t in (made if isinstance(made, (tuple, list)) else (made,))
+                    if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+        def differ(a, b):
+            return any(not torch.equal(x.isnan(), y.isnan()) or not torch.equal(x.nan_to_num(), y.nan_to_num())
+                       for x, y in zip(a, b))
+
+        result = launch()
+        self.check_writes()
+        first = produced(result)
+        if not any(bool(t.isnan().any()) for t in first):
+            return result
+        inputs = list(dict.fromkeys(z[0] for z in self.zones if not z[5] and isinstance(z[4], float)))
+        with self._input_guards(inputs, 0.0):
+            zeroed = produced(launch())
+            if not differ(first, zeroed):
+                return result
+            read = []
+            for what in inputs:
+                with self._input_guards([what], float("nan")):
+                    if differ(zeroed, produced(launch())):
+                        read.append(what)
+        where = " and ".join(read) or " and ".join(inputs)
+        raise ExerciseFailed(
+            f"{self.name}: elements outside {where} were read: the output changed when only the memory just before "
+            f"and after {'them' if len(read) > 1 else 'it'} changed. A missing mask? A tl.load of a block that can "
+            "run past the end needs mask=offsets < n (and other=0.0 where the value is used).")
+
+
+@contextmanager
+def launch_guards(name: str, guards: Guards | None):
+    """The guards a launcher allocates its outputs in: the checker's; else, in the interpreter, its own (a store
+    past the end there corrupts the process's memory and kills the notebook's kernel), checked after the launch;
+    else (a GPU, timing) none, so a timed launch allocates and checks nothing extra."""
+    if guards is not None or runtime.on_gpu():
+        yield guards
+        return
+    own = Guards(name)
+    yield own
+    own.check_writes()
+
+
+def output_like(guards: Guards | None, what: str, like: torch.Tensor) -> torch.Tensor:
+    """An output shaped like ``like``: guarded when there are guards, else ``torch.empty_like``."""
+    return torch.empty_like(like) if guards is None else guards.empty(what, like)
