@@ -109,11 +109,18 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
 
     allowed = tolerance(truth, low.cpu(), out.dtype) + allowance
     got = out.detach().double().cpu()
+    matches = []
     for explanation, wrong in (mistakes() if callable(mistakes) else mistakes):
         wrong = wrong.detach().double().cpu()
         off = (wrong - truth.cpu()).abs().max().item()
+        distance = (got - wrong).abs().max().item()
         # A mistake's own low-precision error is not known: allow 4x the truth's tolerance and 2% of how far the
         # mistake lies from the truth, far closer than any other wrong answer comes.
-        if off > allowed and (got - wrong).abs().max().item() <= 4 * allowed + 0.02 * off:
-            raise ExerciseFailed(f"{name}: wrong values on {where}. They are what {explanation}")
+        if off > allowed and distance <= 4 * allowed + 0.02 * off:
+            matches.append((distance, explanation))
+    if matches:
+        # The closest known mistake: on a tiny input two mistakes can both lie within the band (at head_dim 2 a
+        # flipped sign of sin and a wrong second half differ by 2 * x2 * sin, below 2% of x1 * sin in ~1% of draws).
+        explanation = min(matches, key=lambda m: m[0])[1]
+        raise ExerciseFailed(f"{name}: wrong values on {where}. They are what {explanation}")
     raise ExerciseFailed(f"{failure}\n  on {where}")
