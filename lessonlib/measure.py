@@ -190,10 +190,13 @@ def gpu_busy_seconds(fn, *args, **kwargs):
     finally:
         with _native_stderr_silenced():
             prof.stop()
-    # The raw kineto events, not prof.events(): building FunctionEvents for a million kernels takes minutes.
-    cuda = torch.autograd.DeviceType.CUDA
-    total_ns = sum(e.duration_ns() for e in prof.profiler.kineto_results.events()
-                   if e.device_type() == cuda and not e.name().startswith(("Memcpy", "Memset")))
+    cuda, copies = torch.autograd.DeviceType.CUDA, ("Memcpy", "Memset")
+    try:  # the raw kineto events, not prof.events(): building FunctionEvents for a million kernels takes minutes
+        total_ns = sum(e.duration_ns() for e in prof.profiler.kineto_results.events()
+                       if e.device_type() == cuda and not e.name().startswith(copies))
+    except AttributeError:  # a torch whose raw events lack these accessors: the slow, public way
+        total_ns = 1000 * sum(e.device_time for e in prof.events()
+                              if e.device_type == cuda and not e.name.startswith(copies))
     return out, (total_ns * 1e-9 if total_ns else None)
 
 

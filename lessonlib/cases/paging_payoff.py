@@ -56,15 +56,15 @@ def run_batch(path, lengths: list[int], batch: int, num_blocks: int, new_tokens:
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     llm = LLM(path, num_blocks=num_blocks, max_num_seqs=batch, **engine)
     llm.generate(prompts, params)  # warm-up: Triton compiles at first call
-    rates, preempted, blocks_peak = [], 0, 0
+    rates, blocks_peak = [], 0
     for _ in range(repeats):
         llm.block_manager.forget_prefix_cache()  # every run prefills its prompts anew
         llm.generate(prompts, params)
         rates.append(decode_tokens_per_s(llm.steps))
-        preempted += llm.steps[-1].preemptions
         blocks_peak = max(blocks_peak, max(s.blocks_used for s in llm.steps))
         if max(s.num_seqs for s in llm.steps if s.kind == "decode") != batch:
             raise AssertionError(f"batch {batch}: the engine never ran all {batch} sequences in one decode step")
+    preempted = llm.scheduler.num_preemptions  # over the engine's life: the warm-up and every run
     del llm
     if runtime.on_gpu():
         torch.cuda.empty_cache()
