@@ -10,7 +10,8 @@ eager model pays is its kernels' launches. Peers, each checked against float64 b
 
 Each is timed per call, back to back (``measure.time_back_to_back``: what a decode loop pays, launches included),
 and replayed from a CUDA graph (``graph_us``: the host's side of the launches gone, the GPU's work alone, each
-kernel's own start-up included); each record also carries the kernels one call launches (``measure.count_launches``). The claim's one definition: the time cut by fusion is
+kernel's own start-up included); each record also carries the kernels one call launches
+(``measure.count_launches``). The claim's one definition: the time cut by fusion is
 ``1 - fused / eager``, per call back to back (:func:`time_cuts`); the claims table (``lessonlib.claims``) and
 lesson 02 both read it from here.
 
