@@ -411,13 +411,14 @@ def tokens_per_s_ladder(run, path, config, prompt_len, generator):
 def ladder_only(run, out, folder, started):
     """``--ladder-only``: the ladder alone, its records and notes put into ``out`` in place of the ladder there
     (every other record, the ceilings and the file's provenance kept; the ladder's own go in notes["ladder"])."""
+    if run.check_only:  # the ladder is timing alone; the engines' float64 checks are the full run's (--check)
+        print("--ladder-only --check: the ladder checks nothing of its own; run --check alone for the engines' checks")
+        return
     prompt_len = 8 if run.smoke else 128
     path = build_checkpoint(folder, TINY if run.smoke else LLAMA_1B, run.dtype)
     tokens_per_s_ladder(run, path, ModelConfig.from_folder(path), prompt_len, torch.Generator().manual_seed(1))
     run.notes["ladder"]["provenance"] = {"command": run.command, **environment(),
                                          "seconds": round(time.perf_counter() - started, 1)}
-    if run.check_only:
-        return
     if not Path(out).exists():
         run.save(out, {})
         return
