@@ -94,6 +94,7 @@ def run_rung(llm: LLM, prompts, params: list[SamplingParams], label: str, warm_u
         llm.generate(warm_up[0][:1], warm_up[1])
     tokens, seconds, same = None, [], 0
     for _ in range(repeats):
+        llm.block_manager.forget_prefix_cache()  # a repeat must not find the run before's prompts cached
         _sync()
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
@@ -104,6 +105,8 @@ def run_rung(llm: LLM, prompts, params: list[SamplingParams], label: str, warm_u
         if tokens is None:
             tokens = got
     steps = list(llm.steps)  # the last timed run's (the profiled run below replaces llm.steps)
+    if gpu_time:
+        llm.block_manager.forget_prefix_cache()
     gpu_seconds = gpu_busy_seconds(llm.generate, prompts, params)[1] if gpu_time else None
     return RungRun(label, llm.features, tokens, statistics.median(seconds),
                    sum(s.kind == "prefill" for s in steps), sum(s.kind == "decode" for s in steps),
