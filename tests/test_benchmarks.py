@@ -247,3 +247,34 @@ def test_bench_paging_payoff_smoke_runs_both_batches(tmp_path):
         assert row["blocks_used_peak"] <= row["shape"]["pool_blocks"]
     assert paging_payoff.payoff(recorded)["batch"] == blocks["batch"] / slabs["batch"]
     assert plots.paging_payoff(recorded).axes
+
+
+def test_the_profiled_ladder_run_covers_every_step_in_windows(monkeypatch):
+    """profiled_gpu_seconds restarts the profiler every PROFILED_STEPS steps; the windows together run every step of
+    the requests once (a fake profiler here: it returns the steps its window ran as 'seconds')."""
+    import torch
+
+    from lessonlib import runtime, tiny_model
+    from lessonlib.engine import LLM, SamplingParams
+
+    ladder = importlib.import_module("lessonlib.engine.ladder")  # the module: lessonlib.engine.ladder is a function
+    llm = LLM(str(tiny_model.build()), dtype=runtime.dtype(cpu=torch.float32), max_num_seqs=2, num_blocks=16,
+              max_model_len=64)
+    prompts, params = ["Hello, my name is", "A paged KV cache"], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                               ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    steps_expected, windows = len(llm.steps), []
+
+    def fake_profiler(fn):
+        before = len(llm.steps)
+        fn()
+        windows.append(len(llm.steps) - before)
+        return None, float(windows[-1])
+
+    monkeypatch.setattr(ladder, "gpu_busy_seconds", fake_profiler)
+    monkeypatch.setattr(ladder, "PROFILED_STEPS", 2)
+    total = ladder.profiled_gpu_seconds(llm, prompts, params)
+    assert total == steps_expected == sum(windows) and max(windows) <= 2 and len(windows) > 1
+    assert llm.num_blocks_in_use() == 0
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected  # the engine is left clean

@@ -105,12 +105,36 @@ def run_rung(llm: LLM, prompts, params: list[SamplingParams], label: str, warm_u
         if tokens is None:
             tokens = got
     steps = list(llm.steps)  # the last timed run's (the profiled run below replaces llm.steps)
-    if gpu_time:
-        llm.block_manager.forget_prefix_cache()
-    gpu_seconds = gpu_busy_seconds(llm.generate, prompts, params)[1] if gpu_time else None
+    gpu_seconds = profiled_gpu_seconds(llm, prompts, params) if gpu_time and runtime.on_gpu() else None
     return RungRun(label, llm.features, tokens, statistics.median(seconds),
                    sum(s.kind == "prefill" for s in steps), sum(s.kind == "decode" for s in steps),
                    sum(s.cached_tokens for s in steps), llm.num_blocks_in_use(), tuple(seconds), gpu_seconds, same)
+
+
+PROFILED_STEPS = 100  # engine steps per profiler session (below)
+
+
+def profiled_gpu_seconds(llm: LLM, prompts, params) -> float | None:
+    """The GPU's kernel time over one more run of the same requests, the profiler stopped and restarted every
+    PROFILED_STEPS steps: an eager run of a thousand steps launches half a million kernels, more records than one
+    profiler session keeps (kineto stops collecting past its buffer limit, and the sum would come out short).
+    None without a GPU (the run is then wasted: :func:`run_rung` calls this on a GPU only)."""
+    llm.block_manager.forget_prefix_cache()
+    params = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    llm.steps = []
+    for prompt, sampling in zip(prompts, params):
+        llm.add_request(prompt, sampling)
+
+    def window():
+        for _ in range(PROFILED_STEPS):
+            if not llm.has_unfinished_requests():
+                return
+            llm.step()
+
+    total = 0.0
+    while llm.has_unfinished_requests():
+        total += gpu_busy_seconds(window)[1] or 0.0
+    return total or None
 
 
 def run_ladder(path, prompts, params: list[SamplingParams], rungs=None, warm_up=None, progress: bool = False,
