@@ -175,8 +175,8 @@ def gpu_busy_seconds(fn, *args, **kwargs):
     kernel durations torch.profiler records (CUDA activity only; kernels replayed from a CUDA graph included).
     Unlike a wall time it leaves out every moment the GPU waited for the host, so a faster kernel shows even where
     the host's time dominates. The seconds are None without a GPU, or where the profiler recorded no kernel.
-    The profiler costs the host a little per launch: time the wall clock in a run of its own. One call should
-    launch at most some 100,000 kernels: past its buffer limit kineto stops collecting, and the sum comes out short
+    The profiler costs the host a little per launch: time the wall clock in a run of its own. Keep one call's
+    kernels to tens of thousands: past its buffer limit kineto stops collecting, and the sum comes out short
     (``lessonlib.engine.ladder.profiled_gpu_seconds`` profiles a long run in windows)."""
     if not runtime.on_gpu():
         return fn(*args, **kwargs), None
