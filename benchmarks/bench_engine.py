@@ -21,10 +21,17 @@ step takes beyond the graph's GPU time, i.e. the GPU idle while the host works) 
 Then the tokens/s ladder (lesson 07): the engine with each course step switched on in turn (plain PyTorch, + fused
 ops, + FlashAttention prefill, + paged decode, + CUDA graphs with asynchronous scheduling, + continuous batching;
 lessonlib.engine.features), on a workload where batching policy matters: 64 requests for 32 seats, 128-token
-prompts, each request's max_tokens drawn from 16..256 (seeded), no early stop. Every rung serves the same requests;
-tokens/s = output tokens / wall time.
+prompts, each request's max_tokens drawn from 16..256 (seeded), no early stop. Every rung serves the same requests,
+LADDER_REPEATS times on the same engine: tokens/s = output tokens / wall time, the median run's, with the slowest
+and fastest beside it; then once more under torch.profiler for the GPU's kernel time per step (which the host's
+noise does not move: lessonlib.measure.gpu_busy_seconds).
+``--ladder-only`` runs the ladder alone (about 5 minutes on an H200) and puts its records into the ``--out`` file in
+place of the ladder's there, every other record kept; the ladder's own command and versions go in its notes:
+
+    python benchmarks/bench_engine.py --ladder-only --out lessonlib/results/engine-h200.json
+
 ``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown; a
-ladder of 3 requests for 2 seats).
+ladder of 3 requests for 2 seats, run twice).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
 from lessonlib.ops._common import pdl  # noqa: E402
 from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+from lessonlib.results import Benchmark, Impl, Op, Results, environment, load  # noqa: E402
 from lessonlib.serving.greedy_parity import first_difference, near_tie_gap  # noqa: E402
 from lessonlib.testing import tolerance  # noqa: E402
 
@@ -55,6 +62,7 @@ LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=256, tie_word_embeddings=True)
 CHECK_STEPS = 4  # logits compared at the prefill and the next CHECK_STEPS - 1 decode steps
+LADDER_REPEATS = 3  # timed runs per rung: a median and its spread, no verdict on one run
 
 
 def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype) -> Path:
@@ -207,14 +215,18 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
 
 
 def main():
-    args = bench.parse_args(__doc__, "bench_engine.py")
+    args = bench.parse_args(__doc__, "bench_engine.py", flags={
+        "--ladder-only": "only the tokens/s ladder, its records put into the --out file in place of its ladder"})
     dtype = runtime.dtype(cpu=torch.float32)
     run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
     warm_up_gpu()
     folder = Path(tempfile.mkdtemp(prefix="bench-engine-", dir=runtime.scratch_dir()))
     try:
-        benchmark(run, args.out, folder, started)
+        if args.ladder_only:
+            ladder_only(run, args.out, folder, started)
+        else:
+            benchmark(run, args.out, folder, started)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the 1B checkpoint is 2.5 GB
 
@@ -359,7 +371,8 @@ def step_parts(run, engines, config, weight_bytes, bandwidth, batches, context):
 
 def tokens_per_s_ladder(run, path, config, prompt_len, generator):
     """Each rung of the ladder on the same requests, after an untimed warm-up at the same prompt length and batch
-    (Triton compiles at first call; CUDA graphs are captured when the engine is built, untimed)."""
+    (Triton compiles at first call; CUDA graphs are captured when the engine is built, untimed): LADDER_REPEATS
+    timed runs (two in the smoke run), then one under the profiler for the GPU's kernel time."""
     requests, seats, (low, high) = (3, 2, (1, 2)) if run.smoke else (64, 32, (16, 256))
     max_tokens = torch.randint(low, high + 1, (requests,), generator=generator).tolist()
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
@@ -370,16 +383,50 @@ def tokens_per_s_ladder(run, path, config, prompt_len, generator):
                    SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
     shape = {"requests": requests, "max_num_seqs": seats, "prompt": prompt_len, "max_tokens_low": low,
              "max_tokens_high": high}
-    runs = run_ladder(path, prompts, params, warm_up=warm_up, progress=True, dtype=run.dtype, max_num_seqs=seats,
-                      max_model_len=prompt_len + high + 16)
+    repeats = 2 if run.smoke else LADDER_REPEATS
+    runs = run_ladder(path, prompts, params, warm_up=warm_up, progress=True, repeats=repeats, gpu_time=True,
+                      dtype=run.dtype, max_num_seqs=seats, max_model_len=prompt_len + high + 16)
     top = runs[-1].tokens
     for rung in runs:
+        slowest, fastest = rung.tokens_per_s_range
+        gpu = rung.gpu_seconds
         run.add(Op.LADDER, rung.label, shape, tokens_per_s=round(rung.tokens_per_s, 1), seconds=round(rung.seconds, 3),
+                tokens_per_s_min=round(slowest, 1), tokens_per_s_max=round(fastest, 1),
+                seconds_runs=[round(x, 3) for x in rung.seconds_runs], repeats=len(rung.seconds_runs),
+                repeats_same_tokens=rung.repeats_same_tokens,
+                wall_us_per_step=round(1e6 * rung.seconds / rung.steps, 1),
+                gpu_seconds=None if gpu is None else round(gpu, 4),
+                gpu_us_per_step=None if gpu is None else round(rung.gpu_us_per_step, 1),
+                gpu_tokens_per_s=None if gpu is None else round(rung.output_tokens / gpu, 1),
                 output_tokens=rung.output_tokens, prefill_steps=rung.prefill_steps, decode_steps=rung.decode_steps,
                 # greedy tokens identical to the top rung's (in 16 bits a near-tie may break the other way)
                 same_tokens_as_top_rung=sum(a == b for a, b in zip(rung.tokens, top)))
     run.notes["ladder"] = {"max_tokens_per_request": max_tokens, "seed": "a torch.Generator of its own, seed 1",
-                           "rungs": {r.label: vars(r.features) for r in runs}}
+                           "rungs": {r.label: vars(r.features) for r in runs},
+                           "timing": f"{repeats} timed runs per rung on one engine: tokens_per_s is the median "
+                                     "run's, tokens_per_s_min/max the slowest and fastest; gpu_* from one more run "
+                                     "under torch.profiler (kernel time only, the GPU's waits for the host left out)"}
+
+
+def ladder_only(run, out, folder, started):
+    """``--ladder-only``: the ladder alone, its records and notes put into ``out`` in place of the ladder there
+    (every other record, the ceilings and the file's provenance kept; the ladder's own go in notes["ladder"])."""
+    if run.check_only:  # the ladder is timing alone; the engines' float64 checks are the full run's (--check)
+        print("--ladder-only --check: the ladder checks nothing of its own; run --check alone for the engines' checks")
+        return
+    prompt_len = 8 if run.smoke else 128
+    path = build_checkpoint(folder, TINY if run.smoke else LLAMA_1B, run.dtype)
+    tokens_per_s_ladder(run, path, ModelConfig.from_folder(path), prompt_len, torch.Generator().manual_seed(1))
+    run.notes["ladder"]["provenance"] = {"command": run.command, **environment(),
+                                         "seconds": round(time.perf_counter() - started, 1)}
+    if not Path(out).exists():
+        run.save(out, {})
+        return
+    kept = load(out)
+    records = [r for r in kept.records if r["op"] != Op.LADDER] + run.records
+    written = Results(kept.benchmark, kept.command, kept.environment, kept.ceilings, records,
+                      {**kept.notes, "ladder": run.notes["ladder"]}).save(out)
+    print("wrote", written, "(the ladder replaced; every other record kept)")
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import torch  # noqa: E402
 
 from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
 from lessonlib.bench import Case  # noqa: E402
-from lessonlib.measure import Timing, copy_call, count_launches, measure_ceilings, time_fn  # noqa: E402
+from lessonlib.measure import copy_call, count_launches, measure_ceilings, time_back_to_back, time_fn  # noqa: E402
 from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for  # noqa: E402
 from lessonlib.ops.add_rms_norm import (TWO_PASS_BLOCK, add_rms_norm_backward, add_rms_norm_forward,  # noqa: E402
                                         compiled_forward)
@@ -82,25 +82,7 @@ def backward_only(fn, *args):
 
 def per_call(calls):
     """A timer: time per call when calls run back to back, as in a decode loop (launch overhead included)."""
-
-    def timer(fn) -> Timing:
-        if not runtime.on_gpu():
-            return time_fn(fn)
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        samples = []
-        for _ in range(5):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(calls):
-                fn()
-            end.record()
-            torch.cuda.synchronize()
-            samples.append(start.elapsed_time(end) * 1e3 / calls)
-        return Timing(sorted(samples)[len(samples) // 2], on_gpu=True)
-
-    return timer
+    return lambda fn: time_back_to_back(fn, calls)
 
 
 def compiled(fn):

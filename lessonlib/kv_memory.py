@@ -43,3 +43,23 @@ def reservation(lengths: torch.Tensor, max_len: int, block_size: int) -> Reserva
     lengths = lengths.clamp(max=max_len)
     blocks = (lengths + block_size - 1) // block_size
     return Reservation(int(lengths.sum()), int(blocks.sum()) * block_size, len(lengths) * max_len)
+
+
+@dataclass
+class LargestBatch:
+    slabs: int  # sequences that fit when each reserves a max_len slab up front
+    blocks: int  # sequences that fit when each holds the blocks of its own length
+
+
+def largest_batch(lengths: torch.Tensor, pool_tokens: int, max_len: int, block_size: int) -> LargestBatch:
+    """How many of the requests ``lengths`` (tokens each at its end, in arrival order) fit at once in a KV cache of
+    ``pool_tokens`` slots: reserving a ``max_len`` slab each, or ``block_size`` blocks each for what it uses (the
+    first requests whose blocks add up to the pool). The vLLM paper's comparison, for the same memory."""
+    if block_size < 1 or max_len < 1 or pool_tokens < 1:
+        raise ValueError(f"pool_tokens, max_len and block_size must be >= 1, got {pool_tokens}, {max_len} and "
+                         f"{block_size}")
+    if lengths.numel() and int(lengths.max()) > max_len:
+        raise ValueError(f"a request of {int(lengths.max())} tokens is longer than max_len={max_len}")
+    blocks = torch.cumsum((lengths + block_size - 1) // block_size, 0)
+    fits = int((blocks <= pool_tokens // block_size).sum())
+    return LargestBatch(min(pool_tokens // max_len, len(lengths)), fits)

@@ -49,6 +49,27 @@ def time_fn(fn, *args, warmup_ms: int = 25, rep_ms: int = 100, cpu_reps: int = 3
     return Timing(statistics.median(samples) * 1e6, on_gpu=False)
 
 
+def time_back_to_back(fn, calls: int = 200, samples: int = 5) -> Timing:
+    """Time per call when ``calls`` calls run back to back, as a decode loop makes them: launch overhead included
+    (the GPU waits for the host whenever the host launches slower than the kernels run). The median of ``samples``
+    CUDA-event spans of ``calls`` calls each, no cache flush between calls. On CPU: :func:`time_fn`."""
+    if not runtime.on_gpu():
+        return time_fn(fn)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    spans = []
+    for _ in range(samples):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(calls):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        spans.append(start.elapsed_time(end) * 1e3 / calls)
+    return Timing(statistics.median(spans), on_gpu=True)
+
+
 def time_graph(fn, *args, reps: int = 200, **kwargs) -> Timing:
     """GPU time of ``fn(*args, **kwargs)`` with the host taken out: the call is captured once into a CUDA graph
     and replayed, the L2 flushed before each replay as in :func:`time_fn`. Where a call's Python costs more than
@@ -147,6 +168,38 @@ def count_launches(fn, *args, **kwargs) -> LaunchCount:
         if evt.cpu_parent is None:
             visit(evt)
     return LaunchCount(sum(names.values()), names, "kernel launches (counted on CPU: operators that launch a GPU kernel)")
+
+
+def gpu_busy_seconds(fn, *args, **kwargs):
+    """(``fn(*args, **kwargs)``'s result, the seconds the GPU spent running kernels meanwhile): the sum of the
+    kernel durations torch.profiler records (CUDA activity only; kernels replayed from a CUDA graph included).
+    Unlike a wall time it leaves out every moment the GPU waited for the host, so a faster kernel shows even where
+    the host's time dominates. The seconds are None without a GPU, or where the profiler recorded no kernel.
+    The profiler costs the host a little per launch: time the wall clock in a run of its own. Keep one call's
+    kernels to tens of thousands: past its buffer limit kineto stops collecting, and the sum comes out short
+    (``lessonlib.engine.ladder.profiled_gpu_seconds`` profiles a long run in windows)."""
+    if not runtime.on_gpu():
+        return fn(*args, **kwargs), None
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    prof = profile(activities=[ProfilerActivity.CUDA])
+    with _native_stderr_silenced():
+        prof.start()
+    try:
+        out = fn(*args, **kwargs)
+        torch.cuda.synchronize()
+    finally:
+        with _native_stderr_silenced():
+            prof.stop()
+    cuda, copies = torch.autograd.DeviceType.CUDA, ("Memcpy", "Memset")
+    try:  # the raw kineto events, not prof.events(): building FunctionEvents for a million kernels takes minutes
+        total_ns = sum(e.duration_ns() for e in prof.profiler.kineto_results.events()
+                       if e.device_type() == cuda and not e.name().startswith(copies))
+    except AttributeError:  # a torch whose raw events lack these accessors: the slow, public way
+        total_ns = 1000 * sum(e.device_time for e in prof.events()
+                              if e.device_type == cuda and not e.name.startswith(copies))
+    return out, (total_ns * 1e-9 if total_ns else None)
 
 
 @contextlib.contextmanager

@@ -203,6 +203,8 @@ def decode_kv_bytes() -> float:
 
 LESSON_02 = (
     Given("02_flash_attention", "19cdc4e5", "launch overhead \"cut by up to 70%\"", QUOTED),
+    Given("02_flash_attention", "launch-bound-lead", "\"cut by up to 70%\"", QUOTED),
+    Given("02_flash_attention", "launch-bound-read", "whether \"up to 70%\" is reached", QUOTED),
     Holds("02_flash_attention", "c6ad4afd", "the Triton kernel beats SDPA's FlashAttention-2 backend forward at every "
           "shape printed above and backward at D=128",
           lambda: all(versus(Op.FORWARD, Impl.SDPA_FLASH, s) > 1 + fa_noise() for s in FA_SHAPES)

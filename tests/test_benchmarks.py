@@ -151,3 +151,130 @@ def test_bench_headline_smoke_and_every_headline_has_its_recorded_twin(tmp_path)
         assert bench_headline.recorded_value(op, shape, impl, metric, per_call=False) > 0, (op, shape, impl)
     for op, shape in bench_headline.PER_CALL:
         assert bench_headline.recorded_value(op, shape, Impl.LESSONLIB, "us", per_call=True) > 0, op
+
+
+def test_bench_attention_launches_smoke_counts_five_kernels_against_one(tmp_path):
+    from lessonlib.cases.attention_launches import time_cuts
+
+    recorded = run_smoke("bench_attention_launches.py", tmp_path)
+    assert recorded.benchmark == Benchmark.ATTENTION_LAUNCHES
+    for t in (16, 40):
+        eager = recorded.one(op=Op.LAUNCH_BOUND_ATTENTION, impl=Impl.EAGER_ATTENTION, T=t)
+        ours = recorded.one(op=Op.LAUNCH_BOUND_ATTENTION, impl=Impl.LESSONLIB, T=t)
+        assert eager["launches"] == 5 and ours["launches"] == 1 and eager["us"] > 0 and ours["us"] > 0
+        assert recorded.one(op=Op.LAUNCH_BOUND_ATTENTION, impl=Impl.SDPA, T=t)["launches"] == 1
+    assert set(time_cuts(recorded)) == {16, 40} and time_cuts(recorded, field="graph_us") == {}  # no graphs on CPU
+
+
+def test_the_eager_attention_peer_is_attention_and_a_wrong_peer_fails_its_check():
+    import torch
+
+    from lessonlib.cases import attention_launches
+
+    q, k, v = (torch.randn(1, 2, 23, 64).half() for _ in range(3))
+    calls = attention_launches.peers(q, k, v)
+    attention_launches.check(q, k, v, {impl: calls[impl] for impl in (Impl.EAGER_ATTENTION, Impl.SDPA)})
+    unmasked = {"no mask": lambda: torch.softmax((q @ k.transpose(-1, -2)).float() / 8, -1).half() @ v}
+    with pytest.raises(AssertionError, match="no mask"):
+        attention_launches.check(q, k, v, unmasked)
+
+
+def _ladder_rows(spreads: list[tuple[float, float, float]], **extra) -> list[dict]:
+    shape = {"requests": 64, "max_num_seqs": 32, "prompt": 128, "max_tokens_low": 16, "max_tokens_high": 256}
+    return [{"op": Op.LADDER, "impl": impl, "shape": shape, "dtype": "bfloat16", "tokens_per_s": mid,
+             "tokens_per_s_min": low, "tokens_per_s_max": high, "seconds": 8636 / mid, "repeats": 3,
+             "prefill_steps": 4, "decode_steps": 990, "same_tokens_as_top_rung": 64, **extra}
+            for impl, (low, mid, high) in zip((Impl.RUNG_PLAIN, Impl.RUNG_FUSED_OPS, Impl.RUNG_FLASH_PREFILL), spreads)]
+
+
+def test_a_ladder_gain_is_a_verdict_only_beyond_the_runs_spread():
+    from lessonlib.engine.lesson import ladder_gain, plot_ladder
+
+    rows = _ladder_rows([(300, 369, 400), (600, 650, 700), (420, 640, 800)], gpu_us_per_step=9000.0,
+                        wall_us_per_step=13000.0, gpu_tokens_per_s=900.0)
+    assert ladder_gain(rows[1], rows[0]) == "×1.76 (faster, beyond the spread)"
+    assert ladder_gain(rows[2], rows[1]) == "×0.98 (within the spread)"
+    assert ladder_gain(rows[0], rows[1]).endswith("(slower, beyond the spread)")
+    one_run = [{k: v for k, v in r.items() if k not in ("tokens_per_s_min", "tokens_per_s_max")} for r in rows]
+    assert ladder_gain(one_run[1], one_run[0]) == "×1.76 (one run: no verdict)"
+    own = {"command": "python ladder", "gpu": "NVIDIA H200", "torch": "2.11", "triton": "3.6", "date": "2026-12-02"}
+    run = results.Results(Benchmark.ENGINE, "synthetic", {"gpu": "g", "torch": "t", "triton": "3", "date": "2026"},
+                          {}, rows, {"ladder": {"provenance": own}})
+    ax = plot_ladder(run)
+    assert len(ax.patches) == len(rows) and len(ax.figure.axes) == 2  # tokens/s, and time per step
+    assert len(ax.figure.axes[1].patches) == 2 * len(rows)  # wall and GPU time per step, a bar each
+    assert "ladder recorded on NVIDIA H200" in ax.figure.texts[0].get_text()
+
+
+def test_bench_engine_ladder_only_replaces_the_ladder_and_keeps_every_other_record(tmp_path):
+    out = tmp_path / "engine.json"
+    committed = results.load(recorded_name(Benchmark.ENGINE))
+    committed.save(out)
+    run_script("bench_engine.py", "--smoke", "--ladder-only", "--out", str(out))
+    merged = results.load(out)
+    ladder = merged.select(op=Op.LADDER)
+    assert ladder and all(r["repeats"] == 2 and len(r["seconds_runs"]) == 2 for r in ladder)
+    assert all(r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"] for r in ladder)
+    assert all(r["shape"]["requests"] == 3 for r in ladder)  # the smoke ladder, not the committed one
+    kept = [r for r in committed.records if r["op"] != Op.LADDER]
+    assert [r for r in merged.records if r["op"] != Op.LADDER] == kept
+    assert merged.command == committed.command and "--ladder-only" in merged.notes["ladder"]["provenance"]["command"]
+
+
+def test_largest_batch_counts_slabs_and_blocks_for_the_same_pool():
+    import torch
+
+    from lessonlib import kv_memory
+
+    lengths = torch.tensor([17, 1, 64, 33, 100, 5])  # blocks of 16: 2, 1, 4, 3, 7, 1 -> running sums 2, 3, 7, 10, 17
+    fit = kv_memory.largest_batch(lengths, pool_tokens=160, max_len=128, block_size=16)
+    assert (fit.slabs, fit.blocks) == (1, 4)  # 160 slots: one 128-token slab; 10 blocks hold the first four
+    assert kv_memory.largest_batch(lengths, 10_000, 128, 16) == kv_memory.LargestBatch(6, 6)  # all fit both ways
+    with pytest.raises(ValueError, match="longer than max_len"):
+        kv_memory.largest_batch(lengths, 160, 64, 16)
+
+
+def test_bench_paging_payoff_smoke_runs_both_batches(tmp_path):
+    from lessonlib.cases import paging_payoff
+
+    recorded = run_smoke("bench_paging_payoff.py", tmp_path)
+    slabs = recorded.one(op=Op.LARGEST_BATCH, impl=Impl.KV_SLABS)
+    blocks = recorded.one(op=Op.LARGEST_BATCH, impl=Impl.KV_BLOCKS)
+    assert slabs["batch"] == paging_payoff.SMOKE["slabs"] < blocks["batch"]
+    assert blocks["kv_blocks_needed"] <= blocks["shape"]["pool_blocks"] and blocks["preemptions"] == 0
+    for row in (slabs, blocks):
+        assert row["repeats"] == 2 and 0 < row["decode_tokens_per_s_min"] <= row["decode_tokens_per_s_max"]
+        assert row["blocks_used_peak"] <= row["shape"]["pool_blocks"]
+    assert paging_payoff.payoff(recorded)["batch"] == blocks["batch"] / slabs["batch"]
+    assert plots.paging_payoff(recorded).axes
+
+
+def test_the_profiled_ladder_run_covers_every_step_in_windows(monkeypatch):
+    """profiled_gpu_seconds restarts the profiler every PROFILED_STEPS steps; the windows together run every step of
+    the requests once (a fake profiler here: it returns the steps its window ran as 'seconds')."""
+    import torch
+
+    from lessonlib import runtime, tiny_model
+    from lessonlib.engine import LLM, SamplingParams
+
+    ladder = importlib.import_module("lessonlib.engine.ladder")  # the module: lessonlib.engine.ladder is a function
+    llm = LLM(str(tiny_model.build()), dtype=runtime.dtype(cpu=torch.float32), max_num_seqs=2, num_blocks=16,
+              max_model_len=64)
+    prompts, params = ["Hello, my name is", "A paged KV cache"], SamplingParams(temperature=0.0, max_tokens=3,
+                                                                               ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    steps_expected, windows = len(llm.steps), []
+
+    def fake_profiler(fn):
+        before = len(llm.steps)
+        fn()
+        windows.append(len(llm.steps) - before)
+        return None, float(windows[-1])
+
+    monkeypatch.setattr(ladder, "gpu_busy_seconds", fake_profiler)
+    monkeypatch.setattr(ladder, "PROFILED_STEPS", 2)
+    total = ladder.profiled_gpu_seconds(llm, prompts, params)
+    assert total == steps_expected == sum(windows) and max(windows) <= 2 and len(windows) > 1
+    assert llm.num_blocks_in_use() == 0
+    monkeypatch.undo()
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected  # the engine is left clean

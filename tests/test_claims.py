@@ -32,9 +32,13 @@ def test_every_claim_has_a_computed_verdict_from_the_committed_files(rows):
     points = {(r["shape"]["B"], r["shape"]["context"]) for r in graphs.select(op=Op.DECODE_STEP)}
     graph = by_quote["“deliver another 10–15% latency reduction”"]
     assert all(f"B={b}/ctx {c:,}" in graph["measured"] for b, c in points), graph
-    # "up to 70%" is the news item's claim about fusing attention's kernels: the decode step is not its evidence
-    launch = by_quote["“cut by up to 70%”"]
-    assert "decode" not in launch["measured"] + launch["evidence"] and claims.LAUNCH_CUT in launch["evidence"], launch
+    # "up to 70%" is the news item's claim about fusing attention's kernels: launch-bound attention (lesson 02),
+    # decided by its own run once it is committed; the decode step is not its evidence
+    seventy = by_quote["“cut by up to 70%”"]
+    assert "decode" not in seventy["measured"] + seventy["evidence"] and claims.LAUNCH_CUT in seventy["evidence"]
+    assert seventy["where"].startswith("lesson 02") and "attention-launches-h200" in seventy["evidence"]
+    if find(recorded_name(Benchmark.ATTENTION_LAUNCHES)) is None:
+        assert seventy["verdict"].startswith("not yet measured on a GPU"), seventy
 
 
 def test_the_launch_claim_has_one_definition_in_the_table_and_in_lesson_05():
@@ -63,8 +67,8 @@ def test_quoted_claims_are_worded_as_their_notebook_quotes_them_and_point_at_a_c
 
 def test_a_claim_whose_records_are_missing_says_it_is_not_measured(monkeypatch):
     monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
-    for decide in (recorded.launch_cut, recorded.graph_cut, recorded.flex_paged, recorded.activation_mul,
-                   recorded.residual, recorded.softmax_scale, recorded.dropout):
+    for decide in (recorded.launch_cut, recorded.graph_cut, recorded.flex_paged,
+                   recorded.activation_mul, recorded.residual, recorded.softmax_scale, recorded.dropout):
         verdict = decide()
         assert verdict.verdict.startswith("not yet measured on a GPU") and "--out lessonlib/results/" in verdict.verdict
 
@@ -138,3 +142,27 @@ def test_the_rope_kv_write_verdict_follows_the_records(monkeypatch):
     assert "-50% (T=1/D=128)" in verdict.measured and "+10% (T=4,096/D=128)" in verdict.measured
     monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
     assert recorded.rope_kv_write().verdict.startswith("not yet measured on a GPU")
+
+
+def _launch_run(eager_us: dict, fused_share: dict) -> Results:
+    """A launch-bound attention run: eager's time per T, and each fused impl's time as a share of it."""
+    records = []
+    for t, us in eager_us.items():
+        shape = {"B": 1, "H": 8, "T": t, "D": 64, "causal": True}
+        records.append({"op": Op.LAUNCH_BOUND_ATTENTION, "impl": Impl.EAGER_ATTENTION, "shape": shape,
+                        "dtype": "bfloat16", "us": us, "graph_us": us / 4, "launches": 5})
+        records += [{"op": Op.LAUNCH_BOUND_ATTENTION, "impl": impl, "shape": shape, "dtype": "bfloat16",
+                     "us": us * share[t], "graph_us": us / 5, "launches": 1} for impl, share in fused_share.items()]
+    return Results(Benchmark.ATTENTION_LAUNCHES, "synthetic", {}, {}, records, {})
+
+
+def test_the_seventy_percent_verdict_follows_the_launch_bound_records(monkeypatch):
+    eager = {t: random.uniform(20, 40) for t in (16, 256, 1024)}
+    shares = {Impl.LESSONLIB: {16: 0.28, 256: 0.5, 1024: 0.9}, Impl.SDPA_FLASH: {16: 0.4, 256: 0.6, 1024: 0.95}}
+    monkeypatch.setattr(recorded, "committed_run", lambda benchmark: _launch_run(eager, shares))
+    verdict = recorded.launch_cut()
+    assert verdict.verdict.startswith(f"holds: {Impl.LESSONLIB} cuts up to 72%"), verdict
+    assert "72% (T=16)" in verdict.measured and "10% (T=1024)" in verdict.measured and "60% (T=16)" in verdict.measured
+    shares[Impl.LESSONLIB][16] = 0.36  # now the best cut is 64%: short of "up to 70%"
+    verdict = recorded.launch_cut()
+    assert verdict.verdict.startswith(f"does not hold: the largest cut measured is 64% ({Impl.LESSONLIB})"), verdict

@@ -20,8 +20,10 @@ COMMITTED = sorted(p.stem for p in results.RESULTS_DIR.glob("*.json"))
 
 
 def test_every_benchmark_has_its_committed_file():
-    benchmarks = [v for k, v in vars(Benchmark).items() if k.isupper()]
+    benchmarks = [v for k, v in vars(Benchmark).items() if k.isupper() and v not in results.AWAITING_GPU_RUN]
     assert sorted(recorded_name(b) for b in benchmarks) == COMMITTED
+    # a benchmark awaiting its GPU run has no file yet; once its file is committed it must leave the set
+    assert not {recorded_name(b) for b in results.AWAITING_GPU_RUN} & set(COMMITTED)
 
 
 @pytest.mark.parametrize("name", COMMITTED)

@@ -48,10 +48,10 @@ def not_measured(why: str) -> Callable[[], Verdict]:
 
 
 CLAIMS = (
-    # Where lesson 02 measures naive attention's kernels against one fused launch (issue 22, part 2): its cell id
-    # and section replace these, and recorded.launch_cut reads its records.
-    Claim("cut by up to 70%", True, NEWS, "02_flash_attention", "19cdc4e5", "§1 Naive attention's kernels",
-          f"flash-attention-h200: {LAUNCH_CUT}; naive attention against one fused launch, where launches dominate",
+    Claim("cut by up to 70%", True, NEWS, "02_flash_attention", "launch-bound-run",
+          "§6 Launch-bound attention: the news item's 70%",
+          f"attention-launches-h200: {LAUNCH_CUT}; eager attention's five kernels against one fused launch, at "
+          "launch-bound sizes",
           recorded.launch_cut),
     Claim("deliver another 10–15% latency reduction", True, NEWS, "05_cuda_graphs", "36d3873b",
           "§5 Measured on the H200", "cuda-graphs-h200: decode_step, fused step vs the same replayed from a graph",

@@ -14,6 +14,7 @@ from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.scheduler import Scheduler
 from lessonlib.engine.sequence import SamplingParams, Sequence
 from lessonlib.plots import IMPL_COLORS, figure, finish
+from lessonlib.plots._figure import plain_log_ticks
 from lessonlib.results import Impl, Op
 from lessonlib.serving.greedy_parity import first_difference, near_tie_gap
 
@@ -198,27 +199,92 @@ def ladder_records(results) -> list[dict]:
     return results.select(op=Op.LADDER) if results is not None else []
 
 
+def ladder_gain(row: dict, below: dict) -> str:
+    """A rung's gain over the rung below, "×1.76", and whether it stands above the runs' spread: a verdict only
+    where the slower rung's fastest run is slower than the faster rung's slowest (a file from before the repeats
+    holds one run per rung: no verdict)."""
+    gain = f"×{row['tokens_per_s'] / below['tokens_per_s']:.2f}"
+    if "tokens_per_s_min" not in row or "tokens_per_s_min" not in below:
+        return gain + " (one run: no verdict)"
+    if row["tokens_per_s_min"] > below["tokens_per_s_max"]:
+        return gain + " (faster, beyond the spread)"
+    if row["tokens_per_s_max"] < below["tokens_per_s_min"]:
+        return gain + " (slower, beyond the spread)"
+    return gain + " (within the spread)"
+
+
+def ladder_provenance(results) -> str:
+    """The ladder's own run (``bench_engine.py --ladder-only`` records it apart) or the file's."""
+    own = results.notes.get("ladder", {}).get("provenance")
+    if not own:
+        return results.provenance()
+    return (f"ladder recorded on {own['gpu']}, torch {own['torch']}, triton {own['triton']}, {own['date'][:10]}; "
+            f"command: {own['command']}")
+
+
 def plot_ladder(results, ax=None):
-    """The recorded tokens/s ladder: one bar per rung, each labelled with its tokens/s and its gain over the rung
-    below (log scale: the rungs span orders of magnitude)."""
+    """The recorded tokens/s ladder. Left: one bar per rung, the median run's tokens/s, its whisker the slowest to
+    the fastest run, labelled with its gain over the rung below and whether that gain stands above the spread; a
+    black diamond at the tokens/s the GPU's kernel time alone would give. Right (without ``ax``): time per step,
+    wall (median run) against the GPU's kernel time. Log scales: the rungs span orders of magnitude. Returns the
+    tokens/s axis."""
     rows = ladder_records(results)
     if not rows:
         raise ValueError("this results file has no tokens/s ladder: run python benchmarks/bench_engine.py --out ...")
-    fig, ax = figure(ax, (10, 4))
+    if ax is None:
+        fig, (ax, steps) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    else:
+        fig, steps = ax.figure, None
+    x = range(len(rows))
     values = [r["tokens_per_s"] for r in rows]
-    ax.bar(range(len(rows)), values, color="tab:blue")
+    spread = [[v - r.get("tokens_per_s_min", v) for v, r in zip(values, rows)],
+              [r.get("tokens_per_s_max", v) - v for v, r in zip(values, rows)]]
+    runs = rows[0].get("repeats", 1)
+    ax.bar(x, values, color=WALL_COLOR, yerr=spread, capsize=4, ecolor="black",
+           label=f"wall clock: median of {runs} runs, whisker slowest to fastest" if runs > 1 else
+           "wall clock: one run (this file records no spread)")
+    gpu = [(i, r["gpu_tokens_per_s"]) for i, r in enumerate(rows) if r.get("gpu_tokens_per_s")]
+    if gpu:
+        ax.plot(*zip(*gpu), "D", color=GPU_COLOR, label="tokens / GPU kernel time (the host's cost left out)")
     for i, value in enumerate(values):
-        gain = "" if i == 0 else f"\n×{value / values[i - 1]:.2f}"
-        ax.text(i, value, f"{value:,.0f}{gain}", ha="center", va="bottom", fontsize=8)
-    ax.set_xticks(range(len(rows)), [r["impl"] for r in rows], rotation=15, fontsize=8)
+        gain = "" if i == 0 else "\n" + ladder_gain(rows[i], rows[i - 1]).replace(" (", "\n(")
+        ax.text(i, value * 1.15, f"{value:,.0f}{gain}", ha="center", va="bottom", fontsize=7)
+    ax.set_xticks(list(x), [r["impl"] for r in rows], rotation=15, fontsize=8)
     ax.set_yscale("log")
-    ax.set_ylim(top=max(values) * 4)  # room for the labels
+    ax.set_ylim(top=max(values + [g for _, g in gpu]) * 30)  # room for the labels and the legend
     ax.set_ylabel("output tokens/s (log scale)")
     s = rows[0]["shape"]
     ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats, {s['prompt']}-token prompts, "
                  f"{s['max_tokens_low']}-{s['max_tokens_high']} new tokens each", fontsize=10)
-    finish(fig, results.provenance())
+    ax.legend(fontsize=7, loc="upper left")
+    plain_log_ticks(ax)
+    if steps is not None:
+        plot_ladder_steps(rows, steps)
+        plain_log_ticks(steps)
+    finish(fig, ladder_provenance(results), bottom=0.07)
     return ax
+
+
+WALL_COLOR, GPU_COLOR = "tab:blue", "black"  # the same meaning in both panels of the ladder's figure
+
+
+def plot_ladder_steps(rows: list[dict], ax) -> None:
+    """Time per step of each rung: wall clock (the median run's seconds over its steps) beside the GPU's kernel
+    time per step, where recorded."""
+    width = 0.4
+    wall = [r.get("wall_us_per_step", 1e6 * r["seconds"] / (r["prefill_steps"] + r["decode_steps"])) for r in rows]
+    ax.bar([i - width / 2 for i in range(len(rows))], wall, width, color=WALL_COLOR, label="wall clock, per step")
+    gpu = [(i + width / 2, r["gpu_us_per_step"]) for i, r in enumerate(rows) if r.get("gpu_us_per_step")]
+    if gpu:
+        ax.bar(*zip(*gpu), width, color=GPU_COLOR, alpha=0.75, label="GPU kernel time, per step")
+    else:
+        ax.text(0.5, 0.02, "GPU time per step: not recorded in this file", transform=ax.transAxes, ha="center",
+                va="bottom", fontsize=8)
+    ax.set_xticks(range(len(rows)), [r["impl"] for r in rows], rotation=30, ha="right", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("µs per engine step (log scale)")
+    ax.set_title("where a step's time goes: the host, or the GPU's kernels", fontsize=10)
+    ax.legend(fontsize=7, loc="upper right")
 
 
 def show_live_ladder(runs, expected: list[list[int]], *, model_path=None, prompts=None, dtype=None) -> None:

@@ -17,6 +17,7 @@ IMPL_COLORS = {  # one colour per implementation, in every figure
     Impl.SDPA_FLASH: "#8c564b",
     Impl.NAIVE: "#7f7f7f",
     Impl.SDPA: "#e377c2",
+    Impl.EAGER_ATTENTION: "#ff7f0e",
     # lesson 07's peers (matplotlib's first four colours, the order the engine benchmark records them in)
     Impl.HF_DYNAMIC: "#1f77b4",
     Impl.HF_STATIC: "#ff7f0e",

@@ -131,3 +131,46 @@ def forward_time_budget(results: Results, shape: dict, ax=None):
     ax.set_title(f"Where the forward's time goes: B={shape['B']} H={shape['H']} N={shape['N']} D={shape['D']}, full")
     ax.grid(True, axis="x", alpha=0.2)
     return finish(fig, results.provenance())
+
+
+def launch_bound_attention(results: Results, footnote: str | None = None):
+    """Attention at tiny T (``lessonlib.cases.attention_launches``): left, time per call of each implementation,
+    back to back (solid, launches included) and replayed from a CUDA graph (dashed, the GPU's work alone), each
+    labelled with the kernels one call launches; right, the time cut by fusion, 1 - fused / eager, with the news
+    item's 70% as a line. ``footnote``: the provenance (default: the results file's)."""
+    from lessonlib.cases.attention_launches import time_cuts
+
+    records = results.select(op=Op.LAUNCH_BOUND_ATTENTION)
+    impls = list(dict.fromkeys(r["impl"] for r in records))
+    fig, (times, cuts) = plt.subplots(1, 2, figsize=(12, 4.4))
+    for impl in impls:
+        rows = sorted((r for r in records if r["impl"] == impl and r["us"] is not None), key=lambda r: r["shape"]["T"])
+        color = IMPL_COLORS.get(impl, "black")
+        t = [r["shape"]["T"] for r in rows]
+        times.plot(t, [r["us"] for r in rows], "o-", color=color,
+                   label=f"{impl} ({rows[0]['launches']} kernel{'s' if rows[0]['launches'] != 1 else ''})")
+        graphed = [(r["shape"]["T"], r["graph_us"]) for r in rows if r.get("graph_us") is not None]
+        if graphed:
+            times.plot(*zip(*graphed), "s--", color=color, alpha=0.6, ms=4)
+        if impl != Impl.EAGER_ATTENTION:
+            for field, style in (("us", "o-"), ("graph_us", "s--")):
+                cut = time_cuts(results, impl, field)
+                if cut:
+                    cuts.plot(list(cut), [100 * c for c in cut.values()], style, color=color,
+                              label=f"{impl}, {'back to back' if field == 'us' else 'graph replay (GPU alone)'}")
+    times.plot([], [], "k-", label="solid: per call, back to back")
+    times.plot([], [], "k--", alpha=0.6, label="dashed: replayed from a CUDA graph")
+    times.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="µs per call")
+    shape = records[0]["shape"]
+    times.set_title(f"B={shape['B']}, H={shape['H']}, D={shape['D']}, causal: time per call", fontsize=10)
+    times.legend(fontsize=7, loc="upper left")
+    cuts.axhline(70, color="black", ls=":", lw=1.2, label="the news item: up to 70%")
+    cuts.set(xscale="log", xlabel="sequence length T", ylabel="time cut by fusion, % (1 - fused / eager)")
+    cuts.set_title("what one fused launch saves over eager's five kernels", fontsize=10)
+    cuts.legend(fontsize=7, loc="lower left")
+    lengths = sorted({r["shape"]["T"] for r in records})
+    for ax in (times, cuts):
+        ax.grid(True, which="both", alpha=0.2)
+        plain_log_ticks(ax)
+        ax.set_xticks(lengths, [str(t) for t in lengths])
+    return finish(fig, footnote or results.provenance(), bottom=0.08)

@@ -92,3 +92,36 @@ def paged_attention_speed(results: Results, ax=None):
 
     ax.legend(handles=[Patch(color=c, label=i) for i, c in zip(impls, colours)], fontsize=8, loc="upper left", ncol=4)
     return finish(fig, results.provenance())
+
+
+def paging_payoff(results: Results, footnote: str | None = None):
+    """The same KV memory reserved two ways (``lessonlib.cases.paging_payoff``): left, the largest batch that fits;
+    right, the decode tokens/s the engine reached at that batch, the median run with a whisker from the slowest
+    to the fastest. ``footnote``: the provenance (default: the results file's)."""
+    rows = {r["impl"]: r for r in results.select(op=Op.LARGEST_BATCH)}
+    impls = [i for i in (Impl.KV_SLABS, Impl.KV_BLOCKS) if i in rows]
+    colors = {Impl.KV_SLABS: IMPL_COLORS[Impl.EAGER], Impl.KV_BLOCKS: IMPL_COLORS[Impl.LESSONLIB]}
+    fig, (fit, rate) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = [i.replace(" (", "\n(") for i in impls]
+    fit.bar(labels, [rows[i]["batch"] for i in impls], color=[colors[i] for i in impls])
+    for x, impl in enumerate(impls):
+        r = rows[impl]
+        held = "all reserved" if impl == Impl.KV_SLABS else "held"
+        fit.text(x, r["batch"], f"{r['batch']} sequences, using {r['kv_blocks_needed']:,}\nof the "
+                 f"{r['shape']['pool_blocks']:,} blocks' slots ({held})", ha="center", va="bottom", fontsize=8)
+    fit.set_ylabel("sequences decoding at once")
+    fit.set_ylim(top=max(rows[i]["batch"] for i in impls) * 1.3)
+    shape = rows[impls[0]]["shape"]
+    fit.set_title(f"largest batch in a pool of {shape['pool_blocks']:,} blocks of {shape['block_size']} tokens "
+                  f"(max_model_len {shape['max_model_len']:,})", fontsize=9)
+    values = [rows[i]["decode_tokens_per_s"] for i in impls]
+    spread = [[v - rows[i]["decode_tokens_per_s_min"] for v, i in zip(values, impls)],
+              [rows[i]["decode_tokens_per_s_max"] - v for v, i in zip(values, impls)]]
+    rate.bar(labels, values, color=[colors[i] for i in impls], yerr=spread, capsize=5, ecolor="black")
+    for x, (value, above) in enumerate(zip(values, spread[1])):
+        rate.text(x, value + above, f"{value:,.1f}", ha="center", va="bottom", fontsize=8)
+    rate.set_ylabel("decode tokens/s (all sequences)")
+    rate.set_ylim(top=max(values) * 1.2)
+    runs = rows[impls[0]]["repeats"]
+    rate.set_title(f"decode tokens/s at that batch: median of {runs} runs, whisker slowest to fastest", fontsize=9)
+    return finish(fig, footnote or results.provenance(), bottom=0.08)
