@@ -5,17 +5,17 @@ then each lesson's view cell. It runs once in JupyterLab (one start-up, one
 kernel: a whole lesson costs 20-60 s under the interpreter); each lesson's test then chooses another case in its
 view's dropdown and waits for the figure to be redrawn, with no Traceback in the page."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from lessonlib.widgets.view import VIEW_CLASS
-from tests.browser.harness import CHROMIUM, JupyterLab, excerpt
+from tests.browser.harness import why_not_here
 
-pytest.importorskip("playwright")
-if not shutil.which(CHROMIUM):
-    pytest.skip("Chromium is not installed (Debian package 'chromium'; `make setup` installs it)", allow_module_level=True)
+if why_not_here():
+    pytest.skip(why_not_here(), allow_module_level=True)
+
+from lessonlib.widgets.view import VIEW_CLASS  # noqa: E402  (ipywidgets: after the skip)
+from tests.browser.harness import JupyterLab, excerpt  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 VIEWS = {  # lesson notebook: its view cell's id
