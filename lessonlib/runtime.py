@@ -160,6 +160,23 @@ class GPUProfile:
         return self.capability >= (9, 0)
 
     @property
+    def has_wgmma(self) -> bool:
+        """Hopper's warpgroup matrix multiply, which Triton's ``tl.dot`` uses on sm_90 only: the kernels' operands
+        then stream through shared memory with one more buffer in flight. Blackwell's workstation and consumer
+        parts (sm_120, a G4) have none: there ``tl.dot`` is Ampere's ``mma``."""
+        return self.capability == (9, 0)
+
+    def stands_in_for(self, other: "GPUProfile") -> bool:
+        """Whether this GPU can emulate ``other`` (``LESSONLIB_GPU_PROFILE``): it has every feature the course uses
+        that ``other`` has (bfloat16, tensor cores from ``tl.dot``, TMA), and at least its memory and shared memory
+        per block. Compared by feature, not by compute capability: an H200 (sm_90) stands in for a G4 (sm_120),
+        which has nothing the course uses that Hopper lacks; a T4 stands in for nothing newer."""
+        features = ("has_bfloat16", "triton_tensor_cores", "has_tma")
+        return (all(getattr(self, f) or not getattr(other, f) for f in features)
+                and self.memory_bytes >= other.memory_bytes
+                and self.shared_memory_per_block >= other.shared_memory_per_block)
+
+    @property
     def memory_budget(self) -> int:
         """Bytes of GPU memory a notebook may use: three quarters of the card (12 GB of a 16 GB T4), leaving room
         for the CUDA context, cuBLAS workspaces and the caching allocator's slack."""
@@ -185,11 +202,14 @@ class GPUProfile:
         return text
 
 
-# The GPUs students meet (Colab's T4, L4, A100; the H100 and the H200 the course was measured on), and an sm_86 card
-# (A10, like an RTX 3090 or a cloud notebook's A10G) so that every architecture a student may have is covered. Shared
-# memory is the opt-in per-block limit of each architecture (CUDA programming guide, compute capabilities table:
-# 99 KB on sm_86 and sm_89, 163 KB on sm_80); memory is what the driver reports on Colab (T4 15 GiB usable of 16 GB;
-# A100 the 40 GB part; A10 24 GB, about 22.5 GiB reported).
+# The GPUs students meet (Colab's T4, L4, A100 and G4; the H100 and the H200 the course was measured on), and an sm_86
+# card (A10, like an RTX 3090 or a cloud notebook's A10G) so that every architecture a student may have is covered.
+# Shared memory is the opt-in per-block limit of each architecture (CUDA programming guide, compute capabilities
+# table: 99 KB on sm_86, sm_89 and sm_120, 163 KB on sm_80, 227 KB on sm_90); memory is what the driver reports on
+# Colab (T4 15 GiB usable of 16 GB; A100 the 40 GB part; A10 24 GB, about 22.5 GiB reported). The G4 is Colab's RTX
+# PRO 6000 Blackwell (Server Edition; GB202, sm_120): 188 SMs (NVIDIA's specifications: 24,064 CUDA cores, 128 per
+# SM), 96 GiB of GDDR7 of which the driver keeps some (ECC and reserved memory: 95 GiB assumed here, not yet read off a
+# G4), 101,376 B (99 KB) of shared memory per block (opt-in), bfloat16, and no wgmma (see GPUProfile.has_wgmma).
 PROFILES: dict[str, GPUProfile] = {
     "t4": GPUProfile("Tesla T4", (7, 5), 40, 64 * 1024, 15 * 2**30),
     "a10": GPUProfile("NVIDIA A10", (8, 6), 72, 99 * 1024, int(22.5 * 2**30)),
@@ -197,15 +217,16 @@ PROFILES: dict[str, GPUProfile] = {
     "a100": GPUProfile("NVIDIA A100-SXM4-40GB", (8, 0), 108, 163 * 1024, 40 * 2**30),
     "h100": GPUProfile("NVIDIA H100 80GB HBM3", (9, 0), 132, 227 * 1024, 80 * 2**30),
     "h200": GPUProfile("NVIDIA H200", (9, 0), 132, 227 * 1024, 141 * 2**30),
+    "g4": GPUProfile("NVIDIA RTX PRO 6000 Blackwell Server Edition", (12, 0), 188, 99 * 1024, 95 * 2**30),
 }
 
 
 @lru_cache(maxsize=None)
 def gpu_profile() -> GPUProfile | None:
-    """This machine's GPU profile, or None in the interpreter. ``LESSONLIB_GPU_PROFILE=t4`` (``l4``, ``a100``,
-    ``h100``, ``h200``) emulates that GPU on a larger one: its dtype policy, shared-memory budget for kernel
-    configurations, memory budget (enforced with ``torch.cuda.set_per_process_memory_fraction``), problem sizes and
-    absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated.
+    """This machine's GPU profile, or None in the interpreter. ``LESSONLIB_GPU_PROFILE=t4`` (``a10``, ``l4``,
+    ``a100``, ``h100``, ``h200``, ``g4``) emulates that GPU on one that stands in for it
+    (:meth:`GPUProfile.stands_in_for`): its dtype policy, shared-memory budget for kernel configurations, memory
+    budget (enforced with ``torch.cuda.set_per_process_memory_fraction``), problem sizes and absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated.
 
     In ``"compile"`` mode (no launches) it is the profile named by ``LESSONLIB_GPU_PROFILE``, as is, with no
     device to compare it with."""
@@ -230,9 +251,9 @@ def gpu_profile() -> GPUProfile | None:
     if wanted not in PROFILES:
         raise ValueError(f"LESSONLIB_GPU_PROFILE={wanted!r}: expected one of {sorted(PROFILES)} (or 'native')")
     emulated = PROFILES[wanted]
-    if emulated.capability > native.capability or emulated.memory_bytes > native.memory_bytes:
-        raise ValueError(f"LESSONLIB_GPU_PROFILE={wanted!r}: {native.name} cannot emulate a {emulated.name} "
-                         "(it must be at least as capable and as large)")
+    if not native.stands_in_for(emulated):
+        raise ValueError(f"LESSONLIB_GPU_PROFILE={wanted!r}: {native.name} cannot emulate a {emulated.name} (it must "
+                         "have its features, bfloat16, tensor cores, TMA, and at least its memory and shared memory)")
     # Hold the process to the emulated card's memory: allocations past it fail as they would there.
     torch.cuda.set_per_process_memory_fraction(emulated.memory_bytes / native.memory_bytes)
     return replace(emulated, emulated_on=native.name)
@@ -240,7 +261,8 @@ def gpu_profile() -> GPUProfile | None:
 
 def _optin_shared_memory(props) -> int:
     # Older torch builds do not expose the opt-in limit: the architecture's value (CUDA programming guide).
-    by_capability = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227}
+    by_capability = {(7, 0): 96, (7, 5): 64, (8, 0): 163, (8, 6): 99, (8, 7): 163, (8, 9): 99, (9, 0): 227,
+                     (10, 0): 227, (12, 0): 99}
     return by_capability.get((props.major, props.minor), 48) * 1024
 
 

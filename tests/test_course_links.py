@@ -81,7 +81,12 @@ def test_make_relink_repoints_a_fork(tmp_path):
         shutil.copytree(ROOT / name, tmp_path / name,
                         ignore=shutil.ignore_patterns("__pycache__", ".ipynb_checkpoints"))
     fork = "https://github.com/me/my-fork"
-    venv = Path(sys.executable).parent.parent
+    # The Makefile runs $(VENV)/bin/python: a stand-in for this interpreter, wherever it is (a GPU machine's system
+    # Python has no bin/python beside its python3)
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    (venv / "bin" / "python").chmod(0o755)
     run = subprocess.run(["make", "-s", "relink", f"REPO={fork}", f"VENV={venv}"], cwd=tmp_path, capture_output=True,
                          text=True)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -107,3 +112,14 @@ def test_relink_refuses_a_url_colab_cannot_open(tmp_path):
     assert pyproject.read_text() == (ROOT / "pyproject.toml").read_text()
     course_links.set_repository("https://github.com/me/fork.git", pyproject)
     assert course_links.course(pyproject).repository == "https://github.com/me/fork"
+
+
+def test_the_tested_stack_is_what_make_setup_installs():
+    """README's and the set-up cells' "tested with" come from pyproject.toml (--check above); `make setup` installs
+    the same CPU torch and puts the same Colab Triton where the compile-target test looks for it."""
+    assert f"TORCH  ?= torch=={COURSE.tested['ci_torch']}\n" in (ROOT / "Makefile").read_text()
+    setup = (ROOT / "tools" / "setup.sh").read_text()
+    assert "course_links.py --tested colab_triton)" in setup and '--target .triton-colab "triton==$colab_triton"' in setup
+    run = subprocess.run([sys.executable, "tools/course_links.py", "--tested", "colab_triton"], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert run.stdout.strip() == COURSE.tested["colab_triton"], run.stderr

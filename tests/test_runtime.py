@@ -98,7 +98,7 @@ def test_a_t4_has_no_bfloat16_and_small_sizes(on_gpu):
     assert profile.memory_budget < 12 * 10**9
 
 
-@pytest.mark.parametrize("key", ["t4", "l4", "a100"])
+@pytest.mark.parametrize("key", ["t4", "l4", "a100", "g4"])
 def test_emulation_takes_the_profile_and_caps_memory(on_gpu, monkeypatch, key):
     monkeypatch.setenv("LESSONLIB_GPU_PROFILE", key)
     profile = runtime.gpu_profile()
@@ -110,13 +110,25 @@ def test_emulation_takes_the_profile_and_caps_memory(on_gpu, monkeypatch, key):
 
 def test_emulating_a_bigger_or_unknown_gpu_is_refused(on_gpu, monkeypatch):
     on_gpu.props = T4
-    monkeypatch.setenv("LESSONLIB_GPU_PROFILE", "a100")
-    with pytest.raises(ValueError, match="cannot emulate"):
-        runtime.gpu_profile()
-    runtime.gpu_profile.cache_clear()
+    for key in ("a100", "g4"):  # no bfloat16 on a T4
+        monkeypatch.setenv("LESSONLIB_GPU_PROFILE", key)
+        with pytest.raises(ValueError, match="cannot emulate"):
+            runtime.gpu_profile()
+        runtime.gpu_profile.cache_clear()
     monkeypatch.setenv("LESSONLIB_GPU_PROFILE", "v100")
     with pytest.raises(ValueError, match="expected one of"):
         runtime.gpu_profile()
+
+
+def test_an_emulator_needs_every_feature_and_the_memory_not_a_higher_compute_capability():
+    """An H200 (sm_90) stands in for a G4 (sm_120): by feature, not by number. Nothing stands in for a GPU with a
+    feature it lacks, or with more memory or shared memory per block."""
+    h200, g4, a100, t4 = (runtime.PROFILES[k] for k in ("h200", "g4", "a100", "t4"))
+    assert h200.stands_in_for(g4) and h200.stands_in_for(t4) and a100.stands_in_for(t4)
+    assert not g4.has_wgmma and h200.has_wgmma and g4.has_bfloat16 and g4.triton_tensor_cores
+    assert not t4.stands_in_for(a100)  # bfloat16
+    assert not a100.stands_in_for(g4)  # TMA, and 40 of 95 GiB
+    assert not g4.stands_in_for(h200)  # 99 of 227 KB of shared memory per block, 95 of 141 GiB
 
 
 def test_a_size_over_the_budget_is_refused_before_allocation(on_gpu):

@@ -101,6 +101,19 @@ print("checks failed:", checked)
 WITH_EXERCISES = [p for p in SOURCES if solution_lines(p)]
 
 
+def why_not_here(path: Path) -> str | None:
+    """Why this copy cannot run on this machine, or None. Lesson 06 installs vLLM in its first cell when none is
+    there; where it cannot (the lab's GPU machine has no vLLM and no network), the copy cannot run."""
+    from lessonlib.serving import vllm_build
+
+    if path.name == "06_vllm.ipynb" and vllm_build() is None:
+        return "vLLM is not installed here and lesson 06 needs it (`make setup` installs it)"
+    return None
+
+
+RUNNABLE = [p for p in WITH_EXERCISES if why_not_here(p) is None]
+
+
 def run_student_copy(student: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([sys.executable, "-c", RUNNER, str(student), CHECK_CALL.pattern], capture_output=True,
@@ -113,11 +126,13 @@ def run_student_copy(student: Path) -> subprocess.CompletedProcess:
 def student_runs() -> dict[str, subprocess.CompletedProcess]:
     """Every student copy run top to bottom, two at a time (CI has two cores; each run is one process)."""
     with ThreadPoolExecutor(max_workers=2) as pool:
-        names = [p.name for p in WITH_EXERCISES]
+        names = [p.name for p in RUNNABLE]
         return dict(zip(names, pool.map(run_student_copy, [gen.STUDENT_DIR / name for name in names])))
 
 
-@pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [p if why_not_here(p) is None else
+                                  pytest.param(p, marks=pytest.mark.skip(reason=why_not_here(p)))
+                                  for p in WITH_EXERCISES], ids=lambda p: p.name)
 def test_stubs_fail_their_checks(path, student_runs):
     """Run the student copy top to bottom (as a student who filled in nothing would, with "Run all"): each exercise
     check fails, in a cell tagged raises-exception so that the run goes on, and the lesson runs to its end."""

@@ -96,7 +96,10 @@ def test_a_view_whose_first_draw_fails_raises_in_its_cell():
 
 
 def test_recorded_vs_live_shows_the_recorded_run_and_measures_only_on_a_gpu(capsys):
-    from lessonlib import measured, results
+    """Every case shows the recorded run; ticking "measure here" measures on a GPU (each implementation and the copy
+    ceiling, in GB/s) and, without one, measures nothing and says why."""
+    from lessonlib import measured, results, runtime
+    from lessonlib.results import Impl
 
     recorded = results.load("fusion-h200")
     view = widgets.recorded_vs_live_explorer(recorded)
@@ -106,9 +109,14 @@ def test_recorded_vs_live_shows_the_recorded_run_and_measures_only_on_a_gpu(caps
         want = {r["impl"]: r["gbps"] for r in recorded.select(op=op, **shape)
                 if r["impl"] in measured.IMPLS and "regime" not in r and not r.get("sweep")}
         assert got["recorded"] == want and set(want) == set(measured.IMPLS), case
-        assert got["live"] is None  # no GPU here: nothing measured, and the view says why
-    with pytest.raises(RuntimeError, match="needs a GPU"):
-        measured.live_gbps(op, shape)
+        if runtime.on_gpu():
+            assert set(got["live"]) == {*measured.IMPLS, Impl.COPY}, (case, got["live"])
+            assert all(gbps > 0 for gbps in got["live"].values()), (case, got["live"])
+        else:
+            assert got["live"] is None  # no GPU here: nothing measured, and the view says why
+    if not runtime.on_gpu():
+        with pytest.raises(RuntimeError, match="needs a GPU"):
+            measured.live_gbps(op, shape)
 
 
 @pytest.mark.parametrize("op, shape", [("swiglu", {"T": 5, "I": 48}), ("add_rms_norm", {"T": 3, "H": 40}),
@@ -133,9 +141,9 @@ def test_live_gbps_checks_then_times_each_implementation(monkeypatch, op, shape)
 
 @pytest.mark.parametrize("lesson", sorted(widgets.LESSONS))
 def test_recorded_run_views_show_the_committed_run_for_the_case_and_implementations_chosen(lesson):
-    """Lessons 02-05: each case shows the recorded file's numbers for the implementations ticked, and on CPU the
-    live part says why nothing was measured."""
-    from lessonlib import results
+    """Lessons 02-05: each case shows the recorded file's numbers for the implementations ticked; "measure here"
+    times the case on a GPU and shows only the implementations ticked, and on CPU says why nothing was measured."""
+    from lessonlib import results, runtime
 
     spec = widgets.LESSONS[lesson]
     recorded = results.load(spec.name)
@@ -159,7 +167,12 @@ def test_recorded_run_views_show_the_committed_run_for_the_case_and_implementati
     one = view.controls["impls"].options[0]
     narrowed = widgets.drive(view, case=first, impls=(one,), measure_here=True)
     plt.close("all")
-    assert set(narrowed["recorded"]) == {one} and narrowed["live"] is None and "no GPU" in narrowed["skipped"]
+    assert set(narrowed["recorded"]) == {one}
+    if runtime.on_gpu():
+        assert narrowed["skipped"] is None and set(narrowed["live"]) == {one}, narrowed
+        assert all(v is not None and v > 0 for v in narrowed["live"][one].values()), narrowed["live"]
+    else:
+        assert narrowed["live"] is None and "no GPU" in narrowed["skipped"]
     assert view.result == shown[first]  # drive() left the controls, and so the figure, where they were
 
 

@@ -309,10 +309,12 @@ def planted_case(profile: runtime.GPUProfile) -> Case:
 
 def compile_case(case: Case, profile: runtime.GPUProfile, registers: bool = False) -> dict:
     """Compile one case for the profile's architecture; a JSON-able record of what was asked and what came out."""
+    import triton
+
     start = time.perf_counter()
     compiled = compile_for(case.kernel, profile.arch, case.args, case.meta)
     record = {
-        "arch": profile.arch, "profile": profile.name, "op": case.op, "kernel": case.name, "label": case.label,
+        "triton": triton.__version__, "arch": profile.arch, "profile": profile.name, "op": case.op, "kernel": case.name, "label": case.label,
         "dtype": str(case.dtype).removeprefix("torch."),
         "config": case.config,
         "shared": compiled.metadata.shared, "limit": profile.shared_memory_per_block, "estimate": case.estimate,

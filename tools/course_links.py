@@ -6,13 +6,16 @@ everything that names it:
 * the Colab and Binder badges on the first line of each notebook's first markdown cell, in the instructor notebooks
   and in the student copies (a student copy's badges open the student copy; ``make_student_notebooks.py`` asks
   :func:`badges` for them);
-* README.md's lesson table (its Colab, Binder and student-copy columns).
+* README.md's lesson table (its Colab, Binder and student-copy columns);
+* the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line and a comment in
+  each set-up cell. ``--tested KEY`` prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
 
 Badges open the same tag the set-up cell installs, so a notebook always runs with the lessonlib it was written for.
 
     python tools/course_links.py                 # rewrite all of the above from pyproject.toml
     python tools/course_links.py --check         # exit 1 if any of it disagrees with pyproject.toml
     python tools/course_links.py --repo URL      # re-point the course (e.g. a fork): update pyproject.toml, rewrite
+    python tools/course_links.py --tested colab_triton   # print one tested version (3.6.0)
 
 ``make relink`` and ``make relink REPO=https://github.com/me/fork`` run it.
 """
@@ -22,7 +25,8 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from dataclasses import dataclass
+import textwrap
+from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
 
@@ -47,6 +51,15 @@ BADGE_LINE = re.compile(r"^\[!\[Open In Colab\]\(.*$")
 class Course:
     repository: str  # https://github.com/OWNER/NAME
     version: str  # lessonlib's version; its release is tagged v<version>
+    tested: dict = field(default_factory=dict)  # [tool.course.tested]: the stacks the course is tested on
+
+    def tested_with(self) -> str:
+        """One sentence naming the stacks the course is tested on."""
+        t = self.tested
+        return (f"CI (no GPU): Python {t['ci_python']}, torch {t['ci_torch']} (CPU build), Triton {t['ci_triton']} "
+                f"(the newest; `make setup` takes it), every kernel also compiled for sm_75 to sm_120 under Colab's "
+                f"Triton {t['colab_triton']}. GPU: torch {t['gpu_torch']} with Triton {t['gpu_triton']}, on "
+                f"{t['gpu_where']}.")
 
     @property
     def slug(self) -> str:
@@ -73,8 +86,9 @@ def check_repository(url: str) -> str:
 
 
 def course(pyproject: Path = PYPROJECT) -> Course:
-    project = tomllib.loads(pyproject.read_text())["project"]
-    return Course(check_repository(project["urls"]["Repository"]), project["version"])
+    toml = tomllib.loads(pyproject.read_text())
+    project = toml["project"]
+    return Course(check_repository(project["urls"]["Repository"]), project["version"], toml["tool"]["course"]["tested"])
 
 
 def set_repository(url: str, pyproject: Path = PYPROJECT) -> None:
@@ -101,6 +115,7 @@ SETUP = Template('''\
 # Where lessonlib is missing (a fresh Colab runtime), pip installs the course's release $tag. It keeps Colab's torch
 # (lessonlib leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and
 # after `make setup`, lessonlib is already installed and nothing is.
+$tested
 import importlib
 import importlib.util
 import subprocess
@@ -131,8 +146,10 @@ NEEDS_VLLM = {"06_vllm.ipynb"}
 
 
 def setup_cell(course: Course, notebook_name: str) -> str:
+    tested = textwrap.fill(f"Tested with: {course.tested_with()}", width=118, initial_indent="# ",
+                           subsequent_indent="# ", break_on_hyphens=False)
     return SETUP.substitute(
-        requirement=f"lessonlib @ git+{course.repository}@{course.tag}", repository=course.repository,
+        tested=tested, requirement=f"lessonlib @ git+{course.repository}@{course.tag}", repository=course.repository,
         tag=course.tag, version=course.version, extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "",
     )
 
@@ -167,6 +184,7 @@ def render_notebook(path: Path, course: Course) -> str:
 TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$",
                        re.M)
 TABLE_HEADER = "| # | Notebook | Colab | Binder | Student copy (Colab) |"
+TESTED_LINE = re.compile(r"^\*\*Tested with\.\*\* .*$", re.M)
 
 
 def render_readme(text: str, course: Course) -> str:
@@ -184,6 +202,9 @@ def render_readme(text: str, course: Course) -> str:
     if missing:
         raise ValueError(f"README.md's lesson table has no row for {missing}: add `| NN | [title](path) |` rows")
     text = re.sub(r"^\| # \| Notebook \|.*$", TABLE_HEADER, text, count=1, flags=re.M)
+    if not TESTED_LINE.search(text):
+        raise ValueError("README.md has no `**Tested with.** ...` line for the tested stacks")
+    text = TESTED_LINE.sub(lambda _: f"**Tested with.** {course.tested_with()}", text, count=1)
     return TABLE_ROW.sub(row, text)
 
 
@@ -205,7 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--check", action="store_true", help="fail if anything disagrees with pyproject.toml")
     parser.add_argument("--repo", help="point the course at this GitHub repository (updates pyproject.toml)")
+    parser.add_argument("--tested", metavar="KEY", help="print one entry of [tool.course.tested] and exit")
     args = parser.parse_args(argv)
+    if args.tested:
+        print(course().tested[args.tested])
+        return 0
     if args.check and args.repo:
         parser.error("--check and --repo do not go together")
     if args.repo:

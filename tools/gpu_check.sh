@@ -1,36 +1,119 @@
 #!/usr/bin/env bash
-# The course's checks on a GPU machine, natively and as a Colab T4 (LESSONLIB_GPU_PROFILE=t4): the unit tests of
-# the kernels, then every notebook under nbval, each notebook's peak GPU memory appended to $LOG_DIR/peak-memory.jsonl.
-#   bash tools/gpu_check.sh [tests|notebooks|all] [native|t4|l4|a100 ...]   (outputs under $LOG_DIR, default ./scratch/gpu-check)
+# The course's checks on a GPU machine: the whole test suite and every notebook under nbval, natively and as the
+# GPUs students have (LESSONLIB_GPU_PROFILE=t4, g4, ...), each notebook's peak GPU memory kept beside its log.
+#
+#   bash tools/gpu_check.sh wheels                  # on a machine with the network: fill .whl/ (see below)
+#   bash tools/gpu_check.sh install                 # on the GPU machine: install from .whl/ only, no network
+#   bash tools/gpu_check.sh tests [PROFILE...] [-- PYTEST_ARGS...]   # default profiles: native t4; args: tests
+#   bash tools/gpu_check.sh notebooks [PROFILE...]  # default profiles: native t4 g4
+#
+# Logs and peaks go to $LOG_DIR (default scratch/gpu-check): tests-PROFILE.log (whole pytest output, with the 25
+# slowest tests), nbval-PROFILE-NOTEBOOK.log, peak-PROFILE-NOTEBOOK.jsonl. Exit status 1 if anything failed.
+#
+# The lab's GPU machine has torch, triton, pytest, matplotlib, transformers and hypothesis but no jupyter, nbval,
+# nbclient, ipykernel or ipywidgets, and no network (/work/shared/GPU-NOTES.md). `wheels` downloads those for its
+# Python (cp312, manylinux x86_64) into the ignored folder .whl/ (about 20 MB with their dependencies: carry it,
+# the carried tree must stay under 64 MiB); `install` installs there, with --no-index, only the wheels whose
+# distribution is missing, into .gpu-site/ (a --target folder put first on PYTHONPATH by tests and notebooks: the
+# system Python is externally managed, and nothing it has is shadowed). nbgrader is not shipped (SQLAlchemy,
+# alembic, jupyter_server: too big for what it tests); its tests skip there, saying so. vLLM cannot travel (GBs):
+# lesson 06 and tests/test_serving.py skip without it.
+#
+# tests: the whole `pytest tests`, tests/ops/test_compile_targets.py included (it compiles for every architecture
+# through a stand-in driver, needs no GPU, and there it checks the machine's own Triton, 3.6 on the lab's H200).
+# The browser tests skip there (no Chromium, JupyterLab or Playwright), each with its reason.
 set -uo pipefail
-what=${1:-all}; shift || true
-profiles=("${@:-native t4}")
-read -r -a profiles <<< "${profiles[*]}"
-log_dir=${LOG_DIR:-scratch/gpu-check}
-mkdir -p "$log_dir"
+cd "$(dirname "$0")/.."
+what=${1:-}; shift || true
 python=${PYTHON:-python3}
+log_dir=${LOG_DIR:-scratch/gpu-check}
+wheels=.whl
+site=.gpu-site
+# What the GPU machine lacks for tests and notebooks (requirements-dev.txt's pins), for its Python.
+missing=("nbval>=0.11" "nbformat>=5.9" "nbclient>=0.10" "ipykernel>=6.29" "ipywidgets>=8.1")
+target_python=${TARGET_PYTHON:-3.12}
+
+profiles=()
+pytest_args=()
+while [ $# -gt 0 ]; do
+    if [ "$1" = -- ]; then shift; pytest_args=("$@"); break; fi
+    profiles+=("$1"); shift
+done
+
+install() {
+    # Only what is missing: a wheel whose distribution the machine already has is left out, so nothing shadows it.
+    [ -d "$wheels" ] || { echo "gpu_check: no $wheels/ here: run 'bash tools/gpu_check.sh wheels' where there is a network, and carry $wheels" >&2; return 2; }
+    local wanted
+    wanted=$("$python" - "$wheels" "$site" <<'EOF'
+import importlib.metadata, pathlib, re, sys
+wheels, site = sys.argv[1:]
+sys.path.insert(0, site)
+for wheel in sorted(pathlib.Path(wheels).glob("*.whl")):
+    name = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+    try:
+        importlib.metadata.distribution(name)
+    except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+EOF
+)
+    if [ -n "$wanted" ]; then
+        # shellcheck disable=SC2086
+        "$python" -m pip install -q --no-index --no-deps --target "$site" $wanted || return 1
+    fi
+    PYTHONPATH="$PWD/$site" "$python" -c "import nbval, nbclient, ipykernel, ipywidgets; print('gpu_check: nbval, nbclient, ipykernel, ipywidgets importable')"
+}
+
+export PYTHONPATH="$PWD/$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+mkdir -p "$log_dir"
 nbval=(--nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg -p no:cacheprovider)
 status=0
-for profile in "${profiles[@]}"; do
-    export LESSONLIB_GPU_PROFILE=$profile
-    if [ "$what" = tests ] || [ "$what" = all ]; then
-        echo "=== tests/ops, profile $profile"
-        # test_compile_targets compiles for every architecture on the CPU (CI runs it): not a GPU check.
-        "$python" -m pytest tests/ops -q -p no:cacheprovider --ignore=tests/ops/test_compile_targets.py 2>&1 \
-            | tail -15 | tee "$log_dir/tests-$profile.log"
-        [ "${PIPESTATUS[0]}" = 0 ] || status=1
-    fi
-    if [ "$what" = notebooks ] || [ "$what" = all ]; then
-        for nb in notebooks/0[0-5]_*.ipynb notebooks/07_*.ipynb; do
-            [ -f "$nb" ] || continue
-            name=$(basename "$nb" .ipynb)
+case "$what" in
+    wheels)
+        rm -rf "$wheels"
+        "$python" -m pip download -q -d "$wheels" --only-binary=:all: --python-version "$target_python" \
+            --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
+            --platform manylinux_2_28_x86_64 "${missing[@]}" || exit 1
+        echo "gpu_check: $(ls "$wheels" | wc -l) wheels, $(du -sh "$wheels" | cut -f1) in $wheels/ (for Python $target_python)"
+        ;;
+    install)
+        install || exit 1
+        ;;
+    tests)
+        [ ${#profiles[@]} -gt 0 ] || profiles=(native t4)
+        [ ${#pytest_args[@]} -gt 0 ] || pytest_args=(tests)
+        for profile in "${profiles[@]}"; do
+            echo "=== pytest ${pytest_args[*]}, profile $profile"
             start=$(date +%s)
-            LESSONLIB_PEAK_MEMORY_LOG="$log_dir/peak-$profile-$name.jsonl" "$python" -m pytest "$nb" "${nbval[@]}" -q 2>&1 \
-                | tail -30 > "$log_dir/nbval-$profile-$name.log"
-            rc=${PIPESTATUS[0]}
+            LESSONLIB_GPU_PROFILE=$profile "$python" -m pytest "${pytest_args[@]}" -q -p no:cacheprovider -rs \
+                --durations=25 > "$log_dir/tests-$profile.log" 2>&1
+            rc=$?
             [ "$rc" = 0 ] || status=1
-            echo "$profile $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$log_dir/nbval-$profile-$name.log") peak=$(cat "$log_dir/peak-$profile-$name.jsonl" 2>/dev/null | tail -1)"
+            grep -E "^(FAILED|ERROR)" "$log_dir/tests-$profile.log" | head -40
+            echo "$profile tests rc=$rc $(( $(date +%s) - start ))s: $(tail -1 "$log_dir/tests-$profile.log")"
         done
-    fi
-done
+        ;;
+    notebooks)
+        [ ${#profiles[@]} -gt 0 ] || profiles=(native t4 g4)
+        for profile in "${profiles[@]}"; do
+            for nb in notebooks/0*.ipynb; do
+                name=$(basename "$nb" .ipynb)
+                if [ "$name" = 06_vllm ] && ! "$python" -c "import vllm" 2>/dev/null; then
+                    echo "$profile $name SKIPPED: vLLM is not installed here (lesson 06 needs it; it cannot be carried)"
+                    continue
+                fi
+                start=$(date +%s)
+                LESSONLIB_GPU_PROFILE=$profile LESSONLIB_PEAK_MEMORY_LOG="$log_dir/peak-$profile-$name.jsonl" \
+                    "$python" -m pytest "$nb" "${nbval[@]}" -q > "$log_dir/nbval-$profile-$name.log" 2>&1
+                rc=$?
+                [ "$rc" = 0 ] || status=1
+                echo "$profile $name rc=$rc $(( $(date +%s) - start ))s $(tail -1 "$log_dir/nbval-$profile-$name.log")" \
+                     "peak=$(tail -1 "$log_dir/peak-$profile-$name.jsonl" 2>/dev/null)"
+            done
+        done
+        ;;
+    *)
+        echo "usage: bash tools/gpu_check.sh wheels | install | tests [PROFILE...] [-- PYTEST_ARGS...] | notebooks [PROFILE...]" >&2
+        exit 2
+        ;;
+esac
 exit $status

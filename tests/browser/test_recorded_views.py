@@ -7,17 +7,17 @@ view's dropdown and waits for the figure to be redrawn, with no Traceback in the
 dropdowns and lists show their labels and options whole, and lesson 07's KV-blocks view names both its controls and
 redraws when its slider moves."""
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-from lessonlib.widgets.view import VIEW_CLASS
-from tests.browser.harness import CHROMIUM, JupyterLab, excerpt
+from tests.browser.harness import why_not_here
 
-pytest.importorskip("playwright")
-if not shutil.which(CHROMIUM):
-    pytest.skip("Chromium is not installed (Debian package 'chromium'; `make setup` installs it)", allow_module_level=True)
+if why_not_here():
+    pytest.skip(why_not_here(), allow_module_level=True)
+
+from lessonlib.widgets.view import VIEW_CLASS  # noqa: E402  (ipywidgets: after the skip)
+from tests.browser.harness import JupyterLab, excerpt  # noqa: E402
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 VIEWS = {  # lesson notebook: its view cell's id

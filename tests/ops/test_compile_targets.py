@@ -3,11 +3,17 @@ there, and asks for no more shared memory than that architecture has. No GPU nee
 target (``GPUTarget``) through a stand-in driver (tools/compile_targets.py).
 
 What is compiled (the docstring of ``tools/compile_targets.cases`` has the details): for each profile in
-``PROFILES`` (T4 sm_75, A100 sm_80, A10 sm_86, L4 sm_89, H200 sm_90), every configuration a launcher can pick there:
+``PROFILES`` (T4 sm_75, A100 sm_80, A10 sm_86, L4 sm_89, H200 sm_90, G4 sm_120), every configuration a launcher can pick there:
 FlashAttention's forward, dK/dV and dQ kernels at D=64 and D=128, paged attention's split kernel at D=128 in every
 dtype (query-head groups 1, 4, 8) and at D=256, and its reduce kernel at the most splits the GPU can get, and the fused element-wise ops at their largest blocks. Every dtype the
 architecture supports appears (no bfloat16 on sm_75); float16 and bfloat16 take turns where the configuration is the
 same (same bytes per element, the same shared memory).
+
+Twice: under the Triton installed here (CI: the newest, ``make setup``) and under Colab's, the one students compile
+with (pyproject.toml's ``[tool.course.tested] colab_triton``, 3.6.0), which ``make setup`` puts in ``.triton-colab/``
+(only the triton package, with --no-deps: torch and everything else are this environment's). A kernel that one of
+them cannot compile, or compiles to more shared memory than the architecture has, fails here, not on a student's
+GPU. Without ``.triton-colab/`` those cases skip, saying so (in CI, where ``make setup`` made it, they fail).
 
 Each profile compiles in its own process (``LESSONLIB_MODE=compile``: kernels defined for the compiler while this
 test process runs the interpreter), with the profile named by ``LESSONLIB_GPU_PROFILE``, so the configurations come
@@ -32,7 +38,9 @@ import lessonlib.ops  # noqa: F401  (defines the op modules, whose config functi
 
 ROOT = Path(__file__).resolve().parents[2]
 TOOL = ROOT / "tools" / "compile_targets.py"
-TARGETS = ("t4", "a100", "a10", "l4", "h200")  # sm_75, sm_80, sm_86, sm_89, sm_90
+TARGETS = ("t4", "a100", "a10", "l4", "h200", "g4")  # sm_75, sm_80, sm_86, sm_89, sm_90, sm_120
+COLAB_TRITON = ROOT / ".triton-colab"  # tools/setup.sh installs Colab's Triton there
+TRITONS = ("installed", "colab")
 PLANTED_ON = "l4"  # the H200's D=128 forward tiles compiled for sm_89: 160 KB against 99 KB
 
 try:
@@ -51,24 +59,57 @@ def _ops_module(name):
     return sys.modules[f"lessonlib.ops.{name}"]
 
 
-def _compile(profile: str, *extra: str) -> list[dict]:
-    env = dict(os.environ, LESSONLIB_MODE="compile", LESSONLIB_GPU_PROFILE=profile, PYTHONPATH=str(ROOT),
+def colab_triton_version() -> str:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10: pip's own copy of the same parser
+        import pip._vendor.tomli as tomllib
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["course"]["tested"]["colab_triton"]
+
+
+def _colab_triton_missing() -> str | None:
+    """Why Colab's Triton cannot be used here, or None."""
+    wanted = colab_triton_version()
+    if not (COLAB_TRITON / f"triton-{wanted}.dist-info").is_dir():
+        return f"Colab's Triton {wanted} is not in {COLAB_TRITON.name}/ (`make setup` installs it there)"
+    return None
+
+
+def _compile(profile: str, triton: str = "installed", *extra: str) -> list[dict]:
+    """The tool's records for ``profile``, compiled in a process of its own under this environment's Triton or
+    (``triton="colab"``) under Colab's, put first on the path."""
+    path = [str(COLAB_TRITON)] if triton == "colab" else []
+    env = dict(os.environ, LESSONLIB_MODE="compile", LESSONLIB_GPU_PROFILE=profile,
+               PYTHONPATH=os.pathsep.join([*path, str(ROOT)]),
                TRITON_CACHE_DIR=str(runtime.scratch_dir() / "cache" / "triton-compile-targets"))
     env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is the default it keeps
     run = subprocess.run([sys.executable, str(TOOL), "--json", *extra], capture_output=True, text=True, env=env,
                          timeout=1200)
-    assert run.returncode == 0, f"compiling for {profile} failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    assert run.returncode == 0, (f"compiling for {profile} under {triton} Triton failed:\n{run.stdout[-3000:]}\n"
+                                 f"{run.stderr[-5000:]}")
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
 @pytest.fixture(scope="module")
-def compiled() -> dict[str, list[dict]]:
-    """Records of every compiled kernel, by profile. Two processes at a time: CI has two cores."""
+def compiled() -> dict[tuple[str, str], list[dict]]:
+    """Records of every compiled kernel, by (Triton, profile). Two processes at a time: CI has two cores."""
+    tritons = [t for t in TRITONS if t != "colab" or _colab_triton_missing() is None]
+    jobs = [(triton, profile) for triton in tritons for profile in TARGETS]
     with ThreadPoolExecutor(max_workers=2) as pool:
-        extra = {PLANTED_ON: ("--plant",)}
-        results = pool.map(lambda p: _compile(p, *extra.get(p, ())), TARGETS)
-        return dict(zip(TARGETS, results))
+        results = pool.map(lambda job: _compile(job[1], job[0], *(("--plant",) if job[1] == PLANTED_ON else ())),
+                           jobs)
+        return dict(zip(jobs, results))
+
+
+@pytest.fixture(params=TRITONS)
+def triton_build(request) -> str:
+    """Which Triton compiled: this environment's, or Colab's (skipped without .triton-colab/, failed in CI)."""
+    if request.param == "colab" and (missing := _colab_triton_missing()):
+        if os.environ.get("CI"):
+            pytest.fail(f"{missing}: CI must compile under the students' Triton")
+        pytest.skip(missing)
+    return request.param
 
 
 def over_the_limit(records: list[dict]) -> list[str]:
@@ -93,17 +134,21 @@ def print_table(records: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("profile", TARGETS)
-def test_every_kernel_fits_its_architecture(compiled, profile):
-    records = [r for r in compiled[profile] if not r.get("planted")]
+def test_every_kernel_fits_its_architecture(compiled, triton_build, profile):
+    records = [r for r in compiled[triton_build, profile] if not r.get("planted")]
     print_table(records)  # the table of configurations and compiled shared memory (pytest -s)
     expected = runtime.PROFILES[profile]
     assert {r["arch"] for r in records} == {expected.arch}
+    import triton
+
+    version = triton.__version__ if triton_build == "installed" else colab_triton_version()
+    assert {r["triton"] for r in records} == {version}  # the Triton asked for compiled them
     assert over_the_limit(records) == []
 
 
 @pytest.mark.parametrize("profile", TARGETS)
-def test_every_kernel_and_dtype_is_compiled(compiled, profile):
-    records = [r for r in compiled[profile] if not r.get("planted")]
+def test_every_kernel_and_dtype_is_compiled(compiled, triton_build, profile):
+    records = [r for r in compiled[triton_build, profile] if not r.get("planted")]
     kernels = {name for module in ("flash_attention", "paged_attention", "paged_prefill_attention", "swiglu",
                                    "add_rms_norm", "apply_rope", "store_kv", "rope_store_kv", "argmax", "gemv")
                for name in vars(_ops_module(module)) if name.startswith("_") and name.endswith("_kernel")}
@@ -116,12 +161,12 @@ def test_every_kernel_and_dtype_is_compiled(compiled, profile):
 
 
 @pytest.mark.parametrize("profile", TARGETS)
-def test_the_compiled_configuration_is_the_launchers_choice_for_the_profile(compiled, profile):
+def test_the_compiled_configuration_is_the_launchers_choice_for_the_profile(compiled, triton_build, profile):
     """The subprocess picked its configurations through runtime.gpu_profile() from LESSONLIB_GPU_PROFILE (as
     emulation does on a bigger GPU); here the same functions are asked with the profile given explicitly."""
     fa, pa = _ops_module("flash_attention"), _ops_module("paged_attention")
     target = runtime.PROFILES[profile]
-    for r in compiled[profile]:
+    for r in compiled[triton_build, profile]:
         if r.get("planted"):
             continue
         head_dim = int(r["label"].split("D=")[1].split()[0]) if "D=" in r["label"] else None
@@ -136,10 +181,10 @@ def test_the_compiled_configuration_is_the_launchers_choice_for_the_profile(comp
             assert r["config"] == pa.split_config(head_dim, 16, group, getattr(torch, r["dtype"]), target)
 
 
-def test_a_planted_oversized_configuration_is_caught(compiled):
+def test_a_planted_oversized_configuration_is_caught(compiled, triton_build):
     """The H200's D=128 forward tiles, forced onto sm_89: the check must flag exactly that kernel (so the assertion
     above can fail), and the launcher's own choice there must differ from it."""
-    planted = [r for r in compiled[PLANTED_ON] if r.get("planted")]
+    planted = [r for r in compiled[triton_build, PLANTED_ON] if r.get("planted")]
     assert len(planted) == 1
     problems = over_the_limit(planted)
     assert len(problems) == 1 and "the limit is" in problems[0], problems
