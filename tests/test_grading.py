@@ -258,13 +258,17 @@ def test_misbehaving_notebooks_are_graded_for_what_ran(trimmed_run):
 
 
 def test_a_submission_writes_only_inside_its_scratch_folder(trimmed_run):
-    out, _, _, subs = trimmed_run
+    """Its working folder, HOME and TMPDIR are its own scratch folder (outside --out; in a sandbox, a tmpfs that
+    goes with it): nothing lands in the submissions or in --out."""
+    out, _, lines, subs = trimmed_run
     text = (out / "graded" / "raises_and_writes" / PAGED).read_text()
     written = [Path(line.split("WROTE ", 1)[1].split("\\n")[0]) for line in text.split('"') if "WROTE " in line]
     assert len(written) == 3
-    scratch = (out / "scratch" / "raises_and_writes").resolve()
-    assert all(path.is_relative_to(scratch) and path.exists() for path in written), written
+    scratch = Path(next(line for line in lines if line.startswith("kept the scratch folders in ")).split(" in ", 1)[1])
+    assert not scratch.is_relative_to(out)
+    assert all(path.is_relative_to(scratch) for path in written), written
     assert sorted(p.name for p in (subs / "raises_and_writes").iterdir()) == [PAGED]
+    assert not list(out.rglob("written.txt")) and not list(out.rglob("home.txt"))
 
 
 @pytest.fixture(scope="module")
