@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 PAGED = "03_paged_attention.ipynb"  # exercises physical_slot (1 point) and free_sequence (2 points)
 GRAPHS = "05_cuda_graphs.ipynb"  # exercise refresh_static_inputs (1 point)
+FUSION = "01_operator_fusion.ipynb"  # a kernel lesson: its exercises are @triton.jit kernels
 
 WRONG = {  # one wrong answer per exercise (the checker explains each)
     "my_physical_slot": "def my_physical_slot(position, block_table, block_size):\n"
@@ -341,8 +342,8 @@ def without_gradebook_fields(notebook: nbformat.NotebookNode) -> dict:
 
 
 def test_nbgrader_generate_assignment_and_autograde(tmp_path):
-    """nbgrader's own release and autograde, on two lessons: a course folder each, graded two at a time (CI has two
-    cores; nbgrader grades one notebook at a time)."""
+    """nbgrader's own release and autograde, on three lessons (one of them a kernel lesson, 01): a course folder
+    each, graded two at a time (CI has two cores; nbgrader grades one notebook at a time)."""
     pytest.importorskip("nbgrader")
     sys.path.insert(0, str(ROOT / "tools"))
     import course_links
@@ -372,10 +373,12 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
     assert {p.name for p in (both / "source").iterdir()} == {"03_paged_attention", "05_cuda_graphs"}
     assert "'name': '03_paged_attention'}, {'name': '05_cuda_graphs'" in (both / "nbgrader_config.py").read_text()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        courses = dict(zip((PAGED, GRAPHS), pool.map(release_and_grade, (PAGED, GRAPHS))))
+        courses = dict(zip((PAGED, GRAPHS, FUSION), pool.map(release_and_grade, (PAGED, GRAPHS, FUSION))))
     from nbgrader.api import Gradebook
 
-    for lesson, most in ((PAGED, 8), (GRAPHS, 3)):
+    found = grading.course_exercises(NOTEBOOKS)
+    for lesson in (PAGED, GRAPHS, FUSION):
+        most = sum(e.points for e in found[lesson])
         assignment = Path(lesson).stem
         with Gradebook(f"sqlite:///{courses[lesson] / 'gradebook.db'}") as gradebook:
             assert gradebook.find_submission(assignment, "alice").score == most

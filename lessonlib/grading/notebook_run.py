@@ -1,5 +1,6 @@
-"""Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh kernel with time and output
-limits, and reading each pristine checker's outcome (:func:`grade_notebook`)."""
+"""Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh sandboxed kernel with time
+and output limits while the scoring process checks them apart (:mod:`~lessonlib.grading.scoring`), and reading each
+check's outcome (:func:`grade_notebook`)."""
 
 from __future__ import annotations
 

@@ -71,8 +71,9 @@ def mount_and_run(argv: list[str]) -> None:
     sockets = os.open(writable, os.O_PATH | os.O_DIRECTORY)  # still reachable once the folders above it are hidden
     mount("--make-rprivate", "/")
     mount("-t", "proc", "proc", "/proc")
-    for folder in ("/tmp", "/dev/shm", *hidden):
-        mount("-t", "tmpfs", "-o", f"size={work_bytes},mode=1777", "tmpfs", folder)
+    for folder in (*hidden, "/tmp", "/dev/shm"):
+        if os.path.isdir(folder):  # (one that is gone is inside a folder already hidden)
+            mount("-t", "tmpfs", "-o", f"size={work_bytes},mode=1777", "tmpfs", folder)
     os.makedirs(writable, exist_ok=True)
     mount("--no-canonicalize", "--bind", f"/proc/self/fd/{sockets}", writable, keep_fd=sockets)
     os.close(sockets)
