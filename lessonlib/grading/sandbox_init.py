@@ -81,9 +81,9 @@ def mount_and_run(argv: list[str]) -> None:
     mount("-t", "tmpfs", "-o", f"size={work_bytes},mode=755", "tmpfs", work)
     for sub in ("home", "tmp"):
         os.makedirs(os.path.join(work, sub), exist_ok=True)
-    keep = {writable, work, "/tmp", "/dev/shm", "/proc"}
+    keep = (writable, work, "/tmp", "/dev/shm", "/proc")  # ours: fresh, and what lies under them is out of sight
     for point, options in mounts():
-        if point in keep or point.startswith("/proc/") or options.split(",")[0] == "ro":
+        if any(point == k or point.startswith(k.rstrip("/") + "/") for k in keep) or options.split(",")[0] == "ro":
             continue
         flags = ",".join("ro" if o == "rw" else o for o in options.split(","))
         mount("-o", f"remount,bind,{flags}", point)
