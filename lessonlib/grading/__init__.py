@@ -47,7 +47,7 @@ after each: a change stops the grading, naming the notebook, with no ``grades.cs
 ``grades.csv``, once every sandbox (and so every process a notebook started) is gone.
 
 **Defended, each by a test** (``tests/test_grading.py``, ``tests/test_grading_sandbox.py``): edited, deleted or
-redefined checkers; patched ``lessonlib``, ``torch`` and the modules above; fake modules and import hooks; an IPython
+redefined checkers; patched ``lessonlib`` and ``torch``; a fake module in ``sys.modules``; an IPython
 input transformer (points come from the plain Python); a replaced grader helper; writes into ``lessonlib/``, by
 absolute path, by ``../`` (they fail or land in the sandbox's own tmpfs); a detached process
 (``start_new_session=True``: it dies with the PID namespace, before ``grades.csv`` is written); reading the
