@@ -3,7 +3,7 @@ the course as it is.
 
 Cost on 2 cores, in the interpreter: the full notebooks 03 and 05 (the cheapest with exercises: 15 s and 13 s through
 nbclient here, 2026-12-01) run as instructor and untouched student copies, once through the grader and once through
-nbgrader's autograde; every other case (wrong answers, tampering, hangs, crashes, floods, broken files) runs a
+nbgrader's autograde (which also releases and autogrades lesson 01, a kernel lesson); every other case (wrong answers, tampering, hangs, crashes, floods, broken files) runs a
 trimmed notebook 03 (its set-up cells and its two quick exercises), two at a time.
 """
 

@@ -4,8 +4,8 @@ touched, the honest submissions graded in the same run keep their grades, the ch
 and no process of theirs survives the grader.
 
 Cost on 2 cores: one grading run of 14 trimmed lesson-01 notebooks (set-up and its exercises), two at a time, in the
-bwrap sandbox; about 4 minutes here (2026-12-02, a loaded machine); the unshare and no-sandbox runs grade two trimmed
-lesson-03 notebooks each (about 40 s).
+bwrap sandbox; the whole file took 367 s here (2026-12-02, 2 cores shared, load average 40 to 70), the unshare
+run (two trimmed lesson-03 notebooks) 59 s.
 """
 
 import csv
