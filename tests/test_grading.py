@@ -3,7 +3,7 @@ the course as it is.
 
 Cost on 2 cores, in the interpreter: the full notebooks 03 and 05 (the cheapest with exercises: 15 s and 13 s through
 nbclient here, 2026-12-01) run as instructor and untouched student copies, once through the grader and once through
-nbgrader's autograde; every other case (wrong answers, tampering, hangs, crashes, floods, broken files) runs a
+nbgrader's autograde (which also releases and autogrades lesson 01, a kernel lesson); every other case (wrong answers, tampering, hangs, crashes, floods, broken files) runs a
 trimmed notebook 03 (its set-up cells and its two quick exercises), two at a time.
 """
 
@@ -26,6 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 PAGED = "03_paged_attention.ipynb"  # exercises physical_slot (1 point) and free_sequence (2 points)
 GRAPHS = "05_cuda_graphs.ipynb"  # exercise refresh_static_inputs (1 point)
+FUSION = "01_operator_fusion.ipynb"  # a kernel lesson: its exercises are @triton.jit kernels
 
 WRONG = {  # one wrong answer per exercise (the checker explains each)
     "my_physical_slot": "def my_physical_slot(position, block_table, block_size):\n"
@@ -258,13 +259,17 @@ def test_misbehaving_notebooks_are_graded_for_what_ran(trimmed_run):
 
 
 def test_a_submission_writes_only_inside_its_scratch_folder(trimmed_run):
-    out, _, _, subs = trimmed_run
+    """Its working folder, HOME and TMPDIR are its own scratch folder (outside --out; in a sandbox, a tmpfs that
+    goes with it): nothing lands in the submissions or in --out."""
+    out, _, lines, subs = trimmed_run
     text = (out / "graded" / "raises_and_writes" / PAGED).read_text()
     written = [Path(line.split("WROTE ", 1)[1].split("\\n")[0]) for line in text.split('"') if "WROTE " in line]
     assert len(written) == 3
-    scratch = (out / "scratch" / "raises_and_writes").resolve()
-    assert all(path.is_relative_to(scratch) and path.exists() for path in written), written
+    scratch = Path(next(line for line in lines if line.startswith("kept the scratch folders in ")).split(" in ", 1)[1])
+    assert not scratch.is_relative_to(out)
+    assert all(path.is_relative_to(scratch) for path in written), written
     assert sorted(p.name for p in (subs / "raises_and_writes").iterdir()) == [PAGED]
+    assert not list(out.rglob("written.txt")) and not list(out.rglob("home.txt"))
 
 
 @pytest.fixture(scope="module")
@@ -337,8 +342,8 @@ def without_gradebook_fields(notebook: nbformat.NotebookNode) -> dict:
 
 
 def test_nbgrader_generate_assignment_and_autograde(tmp_path):
-    """nbgrader's own release and autograde, on two lessons: a course folder each, graded two at a time (CI has two
-    cores; nbgrader grades one notebook at a time)."""
+    """nbgrader's own release and autograde, on three lessons (one of them a kernel lesson, 01): a course folder
+    each, graded two at a time (CI has two cores; nbgrader grades one notebook at a time)."""
     pytest.importorskip("nbgrader")
     sys.path.insert(0, str(ROOT / "tools"))
     import course_links
@@ -368,10 +373,12 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
     assert {p.name for p in (both / "source").iterdir()} == {"03_paged_attention", "05_cuda_graphs"}
     assert "'name': '03_paged_attention'}, {'name': '05_cuda_graphs'" in (both / "nbgrader_config.py").read_text()
     with ThreadPoolExecutor(max_workers=2) as pool:
-        courses = dict(zip((PAGED, GRAPHS), pool.map(release_and_grade, (PAGED, GRAPHS))))
+        courses = dict(zip((PAGED, GRAPHS, FUSION), pool.map(release_and_grade, (PAGED, GRAPHS, FUSION))))
     from nbgrader.api import Gradebook
 
-    for lesson, most in ((PAGED, 8), (GRAPHS, 3)):
+    found = grading.course_exercises(NOTEBOOKS)
+    for lesson in (PAGED, GRAPHS, FUSION):
+        most = sum(e.points for e in found[lesson])
         assignment = Path(lesson).stem
         with Gradebook(f"sqlite:///{courses[lesson] / 'gradebook.db'}") as gradebook:
             assert gradebook.find_submission(assignment, "alice").score == most

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up the course on a fresh machine: a virtual environment with torch, triton, JupyterLab and the test tools,
-# lessonlib installed editable, Colab's Triton for the compile-target test (.triton-colab/), and Chromium for the
-# real-browser test. Safe to run again.
+# lessonlib installed editable, Colab's Triton for the compile-target test (.triton-colab/), Chromium for the
+# real-browser test and bubblewrap for the grader's sandbox. Safe to run again.
 set -euo pipefail
 python=${1:-python3}
 venv=${2:-.venv}
@@ -17,6 +17,16 @@ if ! command -v chromium >/dev/null 2>&1; then
         apt-get update -qq && apt-get install -y -qq chromium >/dev/null
     else
         echo "setup: Chromium is missing; the browser test will be skipped (install Debian's 'chromium')" >&2
+    fi
+fi
+
+# bubblewrap: the sandbox each graded notebook runs in (lessonlib.grading; without it the grader falls back to
+# unshare, or warns that it runs submissions unsandboxed).
+if ! command -v bwrap >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ]; then
+        apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
+    else
+        echo "setup: bubblewrap is missing; the grader will use unshare or run unsandboxed (install Debian's 'bubblewrap')" >&2
     fi
 fi
 

@@ -1,7 +1,8 @@
-"""What runs inside the student's kernel: the prelude that snapshots what the checks rely on, and the cell that runs
-the instructor's pristine checker with lessonlib's checking modules imported fresh (see :mod:`lessonlib.grading`).
+"""What runs inside the scoring process (:mod:`lessonlib.grading.scoring`) with the student's code: the prelude that
+snapshots what the checks rely on, and the cell that runs the instructor's pristine checker with lessonlib's checking
+modules imported fresh (see :mod:`lessonlib.grading`).
 
-Written out as source: the kernel is another process, and the grader must not depend on anything the student's code
+Written out as source: it runs in another process, and the grader must not depend on anything the student's code
 can replace before it runs (the prelude runs before any student cell).
 """
 

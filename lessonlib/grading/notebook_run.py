@@ -1,5 +1,6 @@
-"""Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh kernel with time and output
-limits, and reading each pristine checker's outcome (:func:`grade_notebook`)."""
+"""Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh sandboxed kernel with time
+and output limits while the scoring process checks them apart (:mod:`~lessonlib.grading.scoring`), and reading each
+check's outcome (:func:`grade_notebook`)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import atexit
 import json
 import os
 import re
-import shutil
+import secrets
 import site
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -17,6 +19,7 @@ from pathlib import Path
 
 import nbformat
 
+from lessonlib.grading import sandbox, scoring
 from lessonlib.grading.exercise_format import Exercise, _nbgrader
 from lessonlib.grading.kernel_side import PRELUDE, checker_cell
 
@@ -29,6 +32,9 @@ class Limits:
     notebook_timeout: float = 1800.0  # seconds for the whole notebook
     output_cap: int = 1_000_000  # characters of output kept per cell; the rest is dropped, with a note
     busy_grace: float = 10.0  # seconds an interrupted kernel has to become idle before it is killed
+    work_bytes: int = 1 << 30  # the sandbox's working folder, /tmp and /dev/shm: tmpfs of this size each
+    processes: int = 512  # processes in one sandbox (threads count too where RLIMIT_NPROC holds)
+    file_bytes: int = 1 << 30  # largest file a sandboxed process may write (RLIMIT_FSIZE)
 
 
 @dataclass
@@ -100,27 +106,24 @@ def plan(submission: nbformat.NotebookNode,
     return [source for source, _ in cells[: last + 1]], checks, notes
 
 
-def _kernel_spec_manager(scratch: Path):
-    """A kernel spec for this Python: the kernel runs the grader's own interpreter and packages."""
+def _kernel_spec_manager(folder: Path, argv: list[str]):
+    """A kernel spec whose command is ``argv`` (this Python's ipykernel, in its sandbox); interrupted by a message,
+    not a signal (the signal would reach the sandbox, not the kernel)."""
     from jupyter_client.kernelspec import KernelSpecManager
 
-    folder = scratch / "kernels" / "lessonlib-grading"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "lessonlib grading", "language": "python"}))
-    return KernelSpecManager(kernel_dirs=[str(scratch / "kernels")], ensure_native_kernel=False)
+    (folder / "lessonlib-grading").mkdir(parents=True, exist_ok=True)
+    (folder / "lessonlib-grading" / "kernel.json").write_text(json.dumps({
+        "argv": argv, "display_name": "lessonlib grading", "language": "python", "interrupt_mode": "message"}))
+    return KernelSpecManager(kernel_dirs=[str(folder)], ensure_native_kernel=False)
 
 
-def _kernel_env(scratch: Path) -> dict[str, str]:
-    """The kernel's environment: its home, temporary folder and lessonlib's scratch inside the grader's scratch."""
-    home, tmp = scratch / "home", scratch / "tmp"
-    home.mkdir(parents=True, exist_ok=True)
-    tmp.mkdir(parents=True, exist_ok=True)
-    return {**os.environ, "HOME": str(home), "TMPDIR": str(tmp), "MPLBACKEND": "Agg",
-            "LESSONLIB_SCRATCH": str(scratch / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(scratch),
-            "XDG_CACHE_HOME": str(home / ".cache"), "PYTHONUSERBASE": site.getuserbase(),
-            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
+def _environment(box: sandbox.Box) -> dict[str, str]:
+    """The kernel's and the scoring process's environment: allowlisted, lessonlib's scratch in the working folder,
+    the checkout first on the path."""
+    return sandbox.environment(box, {
+        "LESSONLIB_SCRATCH": str(box.work / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(box.work),
+        "PYTHONUSERBASE": site.getuserbase(),
+        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
 
 
 def _capped_client(notebook, km, workdir: Path, limits: Limits):
@@ -153,19 +156,26 @@ def _capped_client(notebook, km, workdir: Path, limits: Limits):
     return client
 
 
-def _run_cells(sources: list[str], workdir: Path, scratch: Path, limits: Limits):
-    """Execute ``sources`` in one fresh kernel. Returns (executed notebook, {index: status}, notes) where status
-    is "ok", "error", "timeout" or "not run"."""
+def _run_cells(sources: list[str], box: sandbox.Box, limits: Limits, output: Path):
+    """Execute ``sources`` in one fresh kernel in ``box``, its raw stdout and stderr into ``output`` (capped).
+    Returns (executed notebook, {index: status}, notes) where status is "ok", "error", "timeout" or "not run"."""
     from jupyter_client.manager import AsyncKernelManager
     from nbclient.exceptions import DeadKernelError
 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
     notebook.metadata["kernelspec"] = {"name": "lessonlib-grading", "display_name": "lessonlib grading",
                                        "language": "python"}
-    env = _kernel_env(scratch)
+    env = _environment(box)
+    argv = sandbox.wrap(box, [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], env)
     status, notes, replies = {}, [], {}
-    km = AsyncKernelManager(kernel_name="lessonlib-grading", kernel_spec_manager=_kernel_spec_manager(scratch))
-    client = _capped_client(notebook, km, workdir, limits)
+    # Unix sockets in the one folder the sandbox shares with the grader: the sandbox has no network.
+    km = AsyncKernelManager(kernel_name="lessonlib-grading", transport="ipc", ip=str(box.writable / "k"),
+                            connection_file=str(box.writable / "kernel.json"),
+                            kernel_spec_manager=_kernel_spec_manager(box.writable.parent / "spec", argv))
+    client = _capped_client(notebook, km, box.work, limits)
+    sink = sandbox.CappedSink(output, limits.output_cap)
+    launch = {"env": env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")}, "cwd": str(box.work),
+              "stdout": sink.fd, "stderr": sink.fd, "stdin": subprocess.DEVNULL}
     client.on_cell_executed = lambda cell, cell_index, execute_reply: replies.__setitem__(cell_index, execute_reply)
     deadline = time.monotonic() + limits.notebook_timeout
 
@@ -173,7 +183,8 @@ def _run_cells(sources: list[str], workdir: Path, scratch: Path, limits: Limits)
         return replies.get(index, {}).get("content", {}).get("ename") == "CellTimeout"
 
     async def run():
-        async with client.async_setup_kernel(env=env):
+        async with client.async_setup_kernel(**launch):
+            sink.close_writer()
             for index, cell in enumerate(notebook.cells):
                 remaining = deadline - time.monotonic()
                 if remaining <= 1:
@@ -209,14 +220,18 @@ def _run_cells(sources: list[str], workdir: Path, scratch: Path, limits: Limits)
         try:
             await run()
         finally:
+            process = getattr(km.provisioner, "process", None)
             if km.has_kernel:
                 await km.shutdown_kernel(now=True)
+            if process is not None:
+                sandbox.stop(process)  # its process group (and, sandboxed, every process it started) too
 
     try:
         asyncio.run(run_and_stop())
     except Exception as e:  # a kernel that could not start, a broken connection: grade what ran
         notes.append(f"stopped: {type(e).__name__}: {str(e)[:300]}")
     atexit.unregister(client._cleanup_kernel)  # nbclient's exit hook for this kernel: already shut down
+    sink.join()
     return notebook, status, notes
 
 
@@ -225,24 +240,47 @@ def _describe_cell(source: str) -> str:
     return f"the cell starting {first[:60]!r}"
 
 
-def _checker_message(cell, status: str, limits: Limits) -> str:
-    if status == "timeout":
+def _checker_message(result: tuple | None, limits: Limits) -> str:
+    """What the feedback says of one check, from the scoring process's (status, stdout, ename, evalue)."""
+    if result is None:
+        return "not graded: the checks stopped before this one (see the notes)"
+    status, stdout, ename, evalue = result
+    if ename == "CellTimeout":
         return f"the check did not finish within the grader's limit of {limits.cell_timeout:g} s per cell"
-    errors = [o for o in cell.outputs if o.output_type == "error"]
-    if status == "error" and not errors:
-        return "the kernel died during the check"
-    if errors:
-        error = errors[0]
-        first = error.evalue.strip().splitlines()[0] if error.evalue.strip() else ""
-        return first if error.ename in ("ExerciseFailed", "GradingRefused") else f"{error.ename}: {first}"
-    text = "".join(o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout")
-    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("(note:")]
+    if status != "ok":
+        first = evalue.strip().splitlines()[0] if evalue.strip() else ""
+        return first if ename in ("ExerciseFailed", "GradingRefused") else f"{ename}: {first}"
+    lines = [line for line in stdout.splitlines() if line.strip() and not line.startswith("(note:")]
     return lines[-1].strip() if lines else "passed"
 
 
+def _marker(exercise: Exercise, token: str) -> str:
+    """The kernel's stand-in for a check (the check itself runs in the scoring process): it prints ``token``, so a
+    cell that did not run as the grader wrote it (an IPython input transformer, a hook) is seen."""
+    return (f"# lessonlib.grading: {exercise.name} is checked apart from this kernel\n"
+            f"print('lessonlib.grading: {exercise.name} is checked apart from this kernel [{token}]')")
+
+
+def _graded_check(cell, exercise: Exercise, result: tuple | None) -> None:
+    """The graded copy's checker cell: the pristine checker's source and what it printed and raised apart."""
+    cell.source = exercise.checker_source
+    cell.outputs = []
+    if result is not None:
+        status, stdout, ename, evalue = result
+        if stdout:
+            cell.outputs.append(nbformat.v4.new_output("stream", name="stdout", text=stdout))
+        if status != "ok":
+            cell.outputs.append(nbformat.v4.new_output("error", ename=ename, evalue=evalue, traceback=[]))
+
+
 def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], scratch: Path, limits: Limits,
-                   graded_copy: Path | None = None) -> NotebookReport:
-    """Grade one submitted notebook against the instructor's exercises (see the module docstring)."""
+                   graded_copy: Path | None = None, mode: str = "none", slot: int = 0,
+                   hidden: tuple[Path, ...] = ()) -> NotebookReport:
+    """Grade one submitted notebook against the instructor's exercises (see the module docstring): its kernel (in a
+    sandbox of ``mode``, seeing none of ``hidden``) runs the cells for the feedback and the graded copy, while a
+    scoring process in its own sandbox runs the pristine checks; a check's points need both to have reached it."""
+    from concurrent.futures import ThreadPoolExecutor
+
     start = time.monotonic()
     outcomes = {e.checker_id: Outcome(e) for e in exercises_}
     report = NotebookReport(path.name, list(outcomes.values()))
@@ -255,19 +293,32 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
         return report
     sources, checks, notes = plan(submission, exercises_)
     report.notes += notes
-    workdir = scratch / "work"
-    workdir.mkdir(parents=True, exist_ok=True)
-    shutil.copy(path, workdir / pristine_name)
-    executed, status, notes = _run_cells(sources, workdir, scratch, limits)
-    report.notes += notes
+    box = sandbox.Box(mode, scratch / "s", scratch / "w", hidden, limits.work_bytes, limits.processes,
+                      limits.file_bytes, slot)
+    sandbox.prepare(box)
+    logs = (graded_copy.parent if graded_copy else scratch) / Path(pristine_name).stem
+    token = secrets.token_hex(8)
+    kernel_sources = ["# lessonlib.grading: the student's cells (each check runs apart, in a plain Python)"] + [
+        _marker(checks[i], token) if i in checks else source for i, source in enumerate(sources) if i]
+    logs.parent.mkdir(parents=True, exist_ok=True)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        scored = pool.submit(scoring.score, scoring.apart(sources, checks, exercises_), box, _environment(box),
+                             limits.notebook_timeout, limits.cell_timeout, logs.with_name(logs.name + ".scoring.txt"))
+        executed, status, notes = _run_cells(kernel_sources, box, limits, logs.with_name(logs.name + ".kernel.txt"))
+        results, score_notes = scored.result()
+    report.notes += notes + score_notes
     for index, exercise in checks.items():
-        outcome = outcomes[exercise.checker_id]
+        outcome, result = outcomes[exercise.checker_id], results.get(index)
+        outcome.message = _checker_message(result, limits)
         state = status.get(index, "not run")
+        printed = "".join(o.get("text", "") for o in executed.cells[index].outputs) if state != "not run" else ""
         if state == "not run":
             outcome.message = "not graded: the notebook stopped before this check (see the notes)"
-            continue
-        outcome.message = _checker_message(executed.cells[index], state, limits)
-        outcome.points = exercise.points if state == "ok" else 0.0
+        elif f"[{token}]" not in printed:
+            report.notes.append(f"{exercise.name}: the grader's cell did not run as written in the kernel (an IPython "
+                                "input transformer or hook changed it); the points come from the check run apart")
+        outcome.points = exercise.points if result and result[0] == "ok" and state != "not run" else 0.0
+        _graded_check(executed.cells[index], exercise, result)
     if graded_copy is not None:
         graded_copy.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(executed, graded_copy)
