@@ -1,0 +1,99 @@
+"""Lesson 00's Triton on-ramp (issue 22): each puzzle's solution, taken from the notebook, passes its checker; the
+student copy's stub fails with "not implemented yet"; a PyTorch function in place of the kernel is refused; planted
+mistakes (a missing mask, a wrong stride, an off-by-one program id, a missing loop) fail with a message that names
+them, and the store past the end they make lands in the checker's guard (the process stays alive to say so). The
+address figure's data comes from the kernel itself."""
+
+import pytest
+import torch
+
+from lessonlib import exercises
+from lessonlib.exercises import ExerciseFailed
+from tests.test_kernel_exercises import define, gen, mutated, solution_source
+
+NOTEBOOK = "00_setup_and_roofline.ipynb"
+PUZZLES = {  # name: (checker, kernel defined by the solution cell)
+    "scale_add": (exercises.check_scale_add_kernel, "my_scale_add_kernel"),
+    "transpose": (exercises.check_transpose_kernel, "my_transpose_kernel"),
+    "row_sum": (exercises.check_row_sum_kernel, "my_row_sum_kernel"),
+}
+# What the solution cell needs from the notebook's imports cell.
+IMPORTS = "import triton\nimport triton.language as tl\n"
+
+
+def kernel(source: str, name: str):
+    return define(IMPORTS + source, name)
+
+
+@pytest.mark.parametrize("puzzle", PUZZLES)
+def test_solution_passes_stub_and_bypass_fail(puzzle, capsys):
+    check, name = PUZZLES[puzzle]
+    source = solution_source(NOTEBOOK, name)
+    check(kernel(source, name))
+    assert capsys.readouterr().out.startswith(f"✓ {puzzle}:")
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        check(kernel(gen.strip_solutions(source), name))
+    with pytest.raises(ExerciseFailed, match="pass your @triton.jit kernel"):
+        check(lambda *tensors: tensors[0])
+
+
+PLANTED = [  # puzzle, (old, new), what the message must name
+    ("scale_add", ("(alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)", "(alpha * x + y).to(out_ptr.dtype.element_ty))"),
+     "stored .* values outside out.*mask=offsets < n"),
+    ("scale_add", ("offsets = tl.program_id(0) * BLOCK", "offsets = (tl.program_id(0) + 1) * BLOCK"),
+     "one program late"),
+    ("scale_add", ("offsets = tl.program_id(0) * BLOCK + tl.arange", "offsets = tl.program_id(0) + tl.arange"),
+     "cover its own BLOCK elements"),
+    ("scale_add", ("(alpha * x + y)", "(x + y)"), "ignores alpha"),
+    ("transpose", ("rows[:, None] * stride_xm", "rows[:, None] * N"), "loaded x's padding.*stride_xm"),
+    ("transpose", ("mask = (rows[:, None] < M) & (cols[None, :] < N)", "mask = cols[None, :] < N"),
+     "stored .* values outside out.*both dimensions"),
+    ("transpose", ("rows = tl.program_id(0) * BLOCK_M", "rows = tl.program_id(1) * BLOCK_M"), "never stored"),
+    ("row_sum", ("for start in range(0, N, BLOCK_N):", "for start in range(0, BLOCK_N, BLOCK_N):"),
+     "sums only the first BLOCK_N"),
+    ("row_sum", ("mask=cols < N, other=0.0", "mask=cols >= 0"), "without mask=cols < N"),
+    ("row_sum", ("x_ptr + row * stride_xm", "x_ptr + row * N"), "rows to be N elements apart"),
+]
+
+
+@pytest.mark.parametrize("puzzle, edit, message", PLANTED, ids=[f"{p[0]}-{p[2][:24]}" for p in PLANTED])
+def test_planted_mistake_is_named(puzzle, edit, message):
+    check, name = PUZZLES[puzzle]
+    with pytest.raises(ExerciseFailed, match=message):
+        check(kernel(mutated(solution_source(NOTEBOOK, name), *edit), name))
+
+
+def test_launchers_refuse_bad_input_before_launching():
+    with pytest.raises(ValueError, match="1-D"):
+        exercises.scale_add(None, torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="2-D"):
+        exercises.transpose(None, torch.zeros(3))
+    with pytest.raises(ValueError, match="unit column stride"):
+        exercises.row_sum(None, torch.zeros(4, 3).T)
+
+
+def test_program_owners_is_measured_on_the_kernel():
+    """The figure's data: the right kernel gives each block to its program and leaves padding unread; a kernel
+    without its store mask shows writes into the guard past the end; a wrong stride shows reads of the padding."""
+    name = "my_scale_add_kernel"
+    source = solution_source(NOTEBOOK, name)
+    vector = exercises.program_owners(kernel(source, name), "scale_add", 20, block=dict(BLOCK=8))
+    guard = vector["guard"]
+    assert vector["out"][guard:guard + 20].tolist() == [i // 8 for i in range(20)]
+    assert vector["x"][guard:guard + 20].tolist() == [i // 8 for i in range(20)]
+    assert (vector["out"][guard + 20:] == -1).all() and (vector["out"][:guard] == -1).all()
+    unmasked = mutated(source, "(alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)",
+                       "(alpha * x + y).to(out_ptr.dtype.element_ty))")
+    spilled = exercises.program_owners(kernel(unmasked, name), "scale_add", 20, block=dict(BLOCK=8))
+    assert spilled["out"][guard + 20:guard + 24].tolist() == [2, 2, 2, 2]  # the last program's lanes 20..23
+
+    name = "my_transpose_kernel"
+    source = solution_source(NOTEBOOK, name)
+    tile = exercises.program_owners(kernel(source, name), "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
+    rows, cols = torch.arange(6)[:, None], torch.arange(10)[None, :]
+    assert torch.equal(tile["x"][:, :10], (rows // 4) * 3 + cols // 4)
+    assert (tile["x"][:, 10:] == -1).all() and (tile["out"][:, 6:] == -1).all()
+    assert torch.equal(tile["out"][:, :6], tile["x"][:, :10].T)
+    strided = kernel(mutated(source, "rows[:, None] * stride_xm", "rows[:, None] * N"), name)
+    wrong = exercises.program_owners(strided, "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
+    assert (wrong["x"][:, 10:] >= 0).any()  # rows taken N apart reach into the padding
