@@ -97,3 +97,63 @@ def test_program_owners_is_measured_on_the_kernel():
     strided = kernel(mutated(source, "rows[:, None] * stride_xm", "rows[:, None] * N"), name)
     wrong = exercises.program_owners(strided, "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
     assert (wrong["x"][:, 10:] >= 0).any()  # rows taken N apart reach into the padding
+
+
+# --- "Predict, then measure" (lessons 01, 02, 03, 05) ---------------------------------------------------------
+
+from lessonlib.exercises import predictions  # noqa: E402
+
+PREDICTIONS = {  # name: (checker, notebook, function)
+    "swiglu_ratio": (exercises.check_swiglu_ratio, "01_operator_fusion.ipynb", "my_swiglu_ratio"),
+    "prescale_cost": (exercises.check_prescale_cost, "02_flash_attention.ipynb", "my_prescale_cost"),
+    "gather_ratio": (exercises.check_gather_ratio, "03_paged_attention.ipynb", "my_gather_ratio"),
+    "graph_saving": (exercises.check_graph_saving, "05_cuda_graphs.ipynb", "my_graph_saving"),
+}
+
+
+@pytest.mark.parametrize("item", PREDICTIONS)
+def test_prediction_solution_passes_and_stub_fails(item, capsys):
+    check, notebook, name = PREDICTIONS[item]
+    source = solution_source(notebook, name)
+    check(define(source, name))
+    out = capsys.readouterr().out
+    assert out.startswith(f"✓ {item}: predicted") and "recorded H200 run measured" in out and "band is ±" in out
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        check(define(gen.strip_solutions(source), name))
+
+
+WRONG_PREDICTIONS = [  # item, (old, new) in the solution, what the message must name
+    ("swiglu_ratio", ("eager_bytes = (tensor + tensor) + (2 * tensor + tensor)", "eager_bytes = tensor + 2 * tensor"),
+     "forgetting that eager writes the intermediate"),
+    ("swiglu_ratio", ("measured = eager_us / fused_us", "measured = fused_us / eager_us"), "upside down"),
+    ("prescale_cost", ("predicted = 2 * q_bytes", "predicted = q_bytes"), "only the read of Q"),
+    ("prescale_cost", ("/ (bandwidth_gbs * 1e9) * 1e6", "/ bandwidth_gbs"), "without the units"),
+    ("gather_ratio", ("gathered = (kv + kv) + (kv + q_out)", "gathered = kv + (kv + q_out)"), "the copy's write"),
+    ("graph_saving", ("predicted = launches * launch_us", "predicted = launch_us"), "one launch's cost alone"),
+    ("graph_saving", ("measured = fused_us - graph_us", "measured = 363.36"), "the timings give"),
+]
+
+
+@pytest.mark.parametrize("item, edit, message", WRONG_PREDICTIONS, ids=[f"{w[0]}-{w[2][:20]}" for w in WRONG_PREDICTIONS])
+def test_wrong_prediction_is_named(item, edit, message):
+    check, notebook, name = PREDICTIONS[item]
+    with pytest.raises(ExerciseFailed, match=message):
+        check(define(mutated(solution_source(notebook, name), *edit), name))
+
+
+def test_typed_numbers_fail_on_the_made_up_cases():
+    """The recorded answers typed in pass the recorded case and fail the next, made-up one."""
+    recorded = predictions.GRAPH.recorded()
+    typed = (predictions.GRAPH.predict(**recorded), predictions.GRAPH.measure(**recorded))
+    with pytest.raises(ExerciseFailed, match="launches="):
+        exercises.check_graph_saving(lambda **_: typed)
+
+
+def test_a_recorded_run_outside_its_band_fails(monkeypatch):
+    """If the recorded measurement left the model's band, the item says so rather than passing."""
+    check, notebook, name = PREDICTIONS["gather_ratio"]
+    recorded = predictions.GATHER.recorded()
+    far = dict(recorded, gather_us=2 * recorded["gather_us"])  # measured 6x against a predicted 3x
+    monkeypatch.setattr(predictions, "GATHER", predictions.dataclasses_replace(predictions.GATHER, recorded=lambda: far))
+    with pytest.raises(ExerciseFailed, match="outside the band"):
+        predictions.check_gather_ratio(define(solution_source(notebook, name), name))
