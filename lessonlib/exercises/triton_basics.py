@@ -325,6 +325,8 @@ def program_owners(kernel, puzzle: str, shape, block: dict | None = None) -> dic
     import triton
 
     b = {**blocks(), **(block or {})}
+    if any(v < 1 or v & (v - 1) for v in b.values()):
+        raise ValueError(f"program_owners: block sizes must be powers of 2 (tl.arange needs them); got {block}")
     dev = runtime.device()
     if puzzle == "scale_add":
         n, guard = int(shape), 2 * b["BLOCK"]
