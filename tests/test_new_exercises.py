@@ -157,3 +157,41 @@ def test_a_recorded_run_outside_its_band_fails(monkeypatch):
     monkeypatch.setattr(predictions, "GATHER", predictions.dataclasses_replace(predictions.GATHER, recorded=lambda: far))
     with pytest.raises(ExerciseFailed, match="outside the band"):
         predictions.check_gather_ratio(define(solution_source(notebook, name), name))
+
+
+# --- Lesson 02's backward exercise: dK and dV for one key tile -------------------------------------------------
+
+DKDV = "my_flash_dkdv_kernel"
+DKDV_PLANTED = [  # (old, new), what the message must name
+    (("    dk = dk * sm_scale\n", ""), "without the final scale"),
+    (("ds = p * (dp - delta[:, None])", "ds = p * dp"), "without subtracting delta"),
+    (("s = tl.dot(q, tl.trans(k)) * sm_scale", "s = tl.dot(q, tl.trans(k))"), "without sm_scale"),
+    (("p = tl.exp(s - lse[:, None])", "p = tl.exp(s)"), "not normalised"),
+    (("for start_m in range(0, n_q, BLOCK_M):", "for start_m in range(0, BLOCK_M, BLOCK_M):"),
+     "first query tile only"),
+    (("dk.to(dk_ptr.dtype.element_ty), mask=key_rows)", "dk.to(dk_ptr.dtype.element_ty))"),
+     "stored .* values outside dk.*keys < n_kv"),
+]
+
+
+def test_dkdv_solution_passes_stub_and_bypass_fail(capsys):
+    source = solution_source("02_flash_attention.ipynb", DKDV)
+    exercises.check_flash_dkdv_kernel(define(source, DKDV))
+    assert "flash_dkdv: your kernel's dK and dV match" in capsys.readouterr().out
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        exercises.check_flash_dkdv_kernel(define(gen.strip_solutions(source), DKDV))
+    with pytest.raises(ExerciseFailed, match="pass your @triton.jit kernel"):
+        exercises.check_flash_dkdv_kernel(lambda q, k, v, do: (k, v))
+
+
+@pytest.mark.parametrize("edit, message", DKDV_PLANTED, ids=[p[1][:24] for p in DKDV_PLANTED])
+def test_dkdv_planted_mistake_is_named(edit, message):
+    source = mutated(solution_source("02_flash_attention.ipynb", DKDV), *edit)
+    with pytest.raises(ExerciseFailed, match=message):
+        exercises.check_flash_dkdv_kernel(define(source, DKDV))
+
+
+def test_dkdv_launcher_refuses_bad_input_before_launching():
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="q's heads"):
+        exercises.flash_dkdv(None, q, q[:, :1], q[:, :1], q)
