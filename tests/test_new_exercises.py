@@ -105,7 +105,7 @@ from lessonlib.exercises import predictions  # noqa: E402
 
 PREDICTIONS = {  # name: (checker, notebook, function)
     "swiglu_ratio": (exercises.check_swiglu_ratio, "01_operator_fusion.ipynb", "my_swiglu_ratio"),
-    "prescale_cost": (exercises.check_prescale_cost, "02_flash_attention.ipynb", "my_prescale_cost"),
+    "causal_speedup": (exercises.check_causal_speedup, "02_flash_attention.ipynb", "my_causal_speedup"),
     "gather_ratio": (exercises.check_gather_ratio, "03_paged_attention.ipynb", "my_gather_ratio"),
     "graph_saving": (exercises.check_graph_saving, "05_cuda_graphs.ipynb", "my_graph_saving"),
 }
@@ -126,8 +126,10 @@ WRONG_PREDICTIONS = [  # item, (old, new) in the solution, what the message must
     ("swiglu_ratio", ("eager_bytes = (tensor + tensor) + (2 * tensor + tensor)", "eager_bytes = tensor + 2 * tensor"),
      "forgetting that eager writes the intermediate"),
     ("swiglu_ratio", ("measured = eager_us / fused_us", "measured = fused_us / eager_us"), "upside down"),
-    ("prescale_cost", ("predicted = 2 * q_bytes", "predicted = q_bytes"), "only the read of Q"),
-    ("prescale_cost", ("/ (bandwidth_gbs * 1e9) * 1e6", "/ bandwidth_gbs"), "without the units"),
+    ("causal_speedup", ("predicted = query_tiles * key_tiles / causal_tiles", "predicted = 2.0"),
+     "ignoring the diagonal tiles"),
+    ("causal_speedup", ("-(-min((i + 1) * block_m, tokens) // block_n)", "min((i + 1) * block_m, tokens) // block_n"),
+     "one key tile early"),
     ("gather_ratio", ("gathered = (kv + kv) + (kv + q_out)", "gathered = kv + (kv + q_out)"), "the copy's write"),
     ("graph_saving", ("predicted = launches * launch_us", "predicted = launch_us"), "one launch's cost alone"),
     ("graph_saving", ("measured = fused_us - graph_us", "measured = 363.36"), "the timings give"),
@@ -195,3 +197,33 @@ def test_dkdv_launcher_refuses_bad_input_before_launching():
     q = torch.randn(1, 2, 5, 16)
     with pytest.raises(ValueError, match="q's heads"):
         exercises.flash_dkdv(None, q, q[:, :1], q[:, :1], q)
+
+
+def test_band_reasons_hold_on_the_recorded_runs():
+    """Each band's stated reason, checked against the files it is about (a stale reason fails here)."""
+    from lessonlib import results, traffic
+    from lessonlib.results import Impl, Op, Regime
+
+    fusion, flash, paged = (results.load(f"{name}-h200") for name in ("fusion", "flash-attention", "paged-attention"))
+    # swiglu: every kernel over 200 MB; both chains within about 7% of the copy bandwidth, on their own bytes
+    model = traffic.swiglu(8192, 14336)
+    assert min(k.bytes for k in model.eager.kernels + model.fused.kernels) > 200e6
+    for chain, impl in ((model.eager, Impl.EAGER), (model.fused, Impl.LESSONLIB)):
+        us = [r for r in fusion.select(op=Op.SWIGLU, impl=impl, T=8192, I=14336) if "regime" not in r][0]["us"]
+        assert abs(chain.bytes / us / 1e3 / fusion.ceilings["bandwidth_gbs"] - 1) < 0.07
+    # causal: compute-bound at N = 8192 (over 400 TFLOP/s); one kernel timed several times spreads about 5%
+    assert flash.one(op=Op.FORWARD, impl=Impl.LESSONLIB, B=2, N=8192, D=128, causal=False)["tflops"] > 400
+    same = [r["us"] for r in flash.records if r["shape"].get("N") == 4096 and r["shape"].get("B") == 2
+            and r["shape"].get("D") == 128 and not r["shape"].get("causal") and not r["shape"].get("dropout_p")
+            and r["impl"] in (Impl.LESSONLIB, results.sweep_label(flash.notes["default_configs"]["D=128"]["forward"]))
+            and r["op"] in (Op.FORWARD, Op.FORWARD_VARIANT, Op.ABSORBED)]
+    assert len(same) == 4 and 0.03 < max(same) / min(same) - 1 < 0.07
+    # gather: 537 MB of K and V, over 100 µs, both paths at 85 to 90% of the copy bandwidth on their own bytes
+    shape = dict(B=32, context=4096, H=32, Hkv=8, D=128)
+    gather, direct = (paged.one(op=Op.PAGED_ATTENTION, impl=i, **shape) for i in (Impl.GATHER_THEN_SDPA, Impl.LESSONLIB))
+    assert round(direct["bytes"] / 1e6) == 537 and direct["us"] > 100
+    for trips, record in ((3, gather), (1, direct)):
+        assert 0.85 <= trips * record["bytes"] / record["us"] / 1e3 / paged.ceilings["bandwidth_gbs"] <= 0.90
+    # graph: lessonlib's add_rms_norm costs the host about 50 µs per call at T = 1
+    launch = fusion.one(op=Op.LAUNCH_OVERHEAD, impl=Impl.OPS_ADD_RMS_NORM, regime=Regime.PER_CALL)
+    assert 45 < launch["us"] < 55

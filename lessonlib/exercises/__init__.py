@@ -28,7 +28,7 @@ from lessonlib.exercises.operator_fusion import (ADD_RMS_NORM_SHAPES, SWIGLU_SHA
                                                  check_apply_rope, check_fused_backward, check_swiglu)
 from lessonlib.exercises.paged_attention import (PAGED_DECODE_CASES, check_free_sequence, check_paged_decode_kernel,
                                                  check_physical_slot, paged_decode)
-from lessonlib.exercises.predictions import (check_gather_ratio, check_graph_saving, check_prescale_cost,
+from lessonlib.exercises.predictions import (check_causal_speedup, check_gather_ratio, check_graph_saving,
                                              check_swiglu_ratio)
 from lessonlib.exercises.rope_store_kv import (ROPE_CASES, ROPE_STORE_KV_CASES, check_rope_kernel,
                                                check_rope_store_kv_kernel, rope, rope_store_kv, rope_store_kv_bytes)
@@ -40,11 +40,11 @@ from lessonlib.exercises.vllm_blocks import check_blocks_needed
 
 __all__ = ["ADD_RMS_NORM_SHAPES", "ExerciseFailed", "FLASH_DKDV_CASES", "FLASH_FORWARD_CASES", "GRAPH_SAFE_STEPS",
            "PAGED_DECODE_CASES", "ROPE_CASES", "ROPE_STORE_KV_CASES", "SWIGLU_SHAPES", "check_add_rms_norm",
-           "check_apply_rope", "check_blocks_needed", "check_can_admit", "check_flash_attention",
-           "check_flash_dkdv_kernel", "check_flash_forward_kernel", "check_free_sequence", "check_fused_backward",
-           "check_gather_ratio", "check_graph_safe_decode_step", "check_graph_saving", "check_key_tile_bound",
-           "check_no_graph_break", "check_online_softmax_update", "check_paged_decode_kernel", "check_physical_slot",
-           "check_prescale_cost", "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
+           "check_apply_rope", "check_blocks_needed", "check_can_admit", "check_causal_speedup",
+           "check_flash_attention", "check_flash_dkdv_kernel", "check_flash_forward_kernel", "check_free_sequence",
+           "check_fused_backward", "check_gather_ratio", "check_graph_safe_decode_step", "check_graph_saving",
+           "check_key_tile_bound", "check_no_graph_break", "check_online_softmax_update", "check_paged_decode_kernel",
+           "check_physical_slot", "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
            "check_row_sum_kernel", "check_scale_add_kernel", "check_swiglu", "check_swiglu_ratio", "check_top_p_filter",
            "check_transpose_kernel", "eager_decode_step", "flash_dkdv", "flash_forward", "flash_forward_config",
            "paged_decode", "program_owners", "rope", "rope_store_kv", "rope_store_kv_bytes", "row_sum", "scale_add",

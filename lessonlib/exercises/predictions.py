@@ -141,49 +141,53 @@ def check_swiglu_ratio(fn) -> None:
     _check(SWIGLU, fn)
 
 
-# --- 02: the softmax scale in a pass of its own, against folded into the kernel -------------------------------
+# --- 02: causal attention visits about half the tiles ------------------------------------------------------
 
 
-def _prescale_recorded() -> dict:
-    shape = dict(B=2, H=32, N=4096, D=128, causal=False, dropout_p=0.0)
-    prescaled, fused = (_record("flash-attention-h200", op=Op.ABSORBED, impl=impl, **shape)
-                        for impl in (Impl.PRESCALED_Q, Impl.LESSONLIB))
-    return dict(batch=2, heads=32, tokens=4096, head_dim=128, itemsize=2,
-                bandwidth_gbs=results.load("flash-attention-h200").ceilings["bandwidth_gbs"],
-                prescaled_us=prescaled["us"], fused_us=fused["us"])
+def _causal_recorded() -> dict:
+    shape = dict(B=2, H=32, N=8192, D=128)
+    full, causal = (_record("flash-attention-h200", op=Op.FORWARD, impl=Impl.LESSONLIB, causal=c, **shape)
+                    for c in (False, True))
+    tiles = results.load("flash-attention-h200").notes["default_configs"]["D=128"]["forward"]
+    return dict(tokens=8192, block_m=tiles["BLOCK_M"], block_n=tiles["BLOCK_N"], full_us=full["us"],
+                causal_us=causal["us"])
 
 
-def _prescale_bytes(batch, heads, tokens, head_dim, itemsize, **_):
-    return traffic.prescale_q_bytes(tokens, heads, head_dim, itemsize, batch)
+def _tiles(tokens, block_m, block_n, **_):
+    """(tiles a full pass visits, tiles a causal pass visits): query tile i stops at the key tile holding its last
+    row's diagonal key (Nq = Nkv)."""
+    query_tiles, key_tiles = -(-tokens // block_m), -(-tokens // block_n)
+    causal = sum(-(-min((i + 1) * block_m, tokens) // block_n) for i in range(query_tiles))
+    return query_tiles * key_tiles, causal
 
 
-def _prescale_mistakes(bandwidth_gbs, **shape):
-    moved = _prescale_bytes(**shape)
-    return [("counting only the read of Q gives: the pass reads Q and writes the scaled copy, 2 x B*H*T*D*itemsize",
-             moved / 2 / bandwidth_gbs / 1e3),
-            ("bytes over GB/s without the units gives: bytes / (GB/s * 1e9) is seconds; x 1e6 for µs",
-             moved / bandwidth_gbs),
-            ("forgetting itemsize gives: count bytes, not elements", moved / shape["itemsize"] / bandwidth_gbs / 1e3)]
+def _causal_mistakes(tokens, block_m, block_n, **_):
+    full, causal = _tiles(tokens, block_m, block_n)
+    short = sum(min((i + 1) * block_m, tokens) // block_n for i in range(-(-tokens // block_m)))
+    return [("half the work, ignoring the diagonal tiles, gives: a causal query tile also visits the key tile its "
+             "diagonal crosses, whole", 2.0),
+            ("causal tiles over full tiles gives: the ratio is full time over causal time", causal / full),
+            ("stopping one key tile early (floor instead of ceiling) gives: query tile i visits key tiles up to the "
+             "one holding key min((i + 1) * BLOCK_M, N) - 1", full / short if short else math.inf)]
 
 
-PRESCALE = Item(
-    "prescale_cost", _prescale_recorded,
-    lambda rng: dict(batch=rng.randint(1, 8), heads=rng.choice((8, 16, 32)), tokens=rng.randint(64, 8192),
-                     head_dim=rng.choice((64, 128)), itemsize=rng.choice((2, 4)),
-                     bandwidth_gbs=rng.uniform(300, 5000), prescaled_us=rng.uniform(200, 2000),
-                     fused_us=rng.uniform(100, 1500)),
-    lambda bandwidth_gbs, **shape: _prescale_bytes(**shape) / (bandwidth_gbs * 1e9) * 1e6,
-    lambda prescaled_us, fused_us, **_: prescaled_us - fused_us,
-    _prescale_mistakes, 0.40,
-    "the extra pass (134 MB, about 33 µs) is 3% of a 1.1 ms attention; each of the two 1.1 ms medians drifts about "
-    "1% (11 µs) between runs, so their difference is known to about ±35%", unit=" µs")
+CAUSAL = Item(
+    "causal_speedup", _causal_recorded,
+    # short ragged sequences, query tiles narrower than key tiles: where a wrong tile count shows by more than 0.1%
+    lambda rng: dict(tokens=rng.randint(100, 3000), block_m=rng.choice((16, 32)),
+                     block_n=rng.choice((64, 128)), full_us=rng.uniform(50, 9000),
+                     causal_us=rng.uniform(50, 9000)),
+    lambda **shape: (lambda full, causal: full / causal)(*_tiles(**shape)),
+    lambda full_us, causal_us, **_: full_us / causal_us,
+    _causal_mistakes, 0.10,
+    "at N = 8192 the kernel is compute-bound (over 400 TFLOP/s) and every tile costs about the same, so time "
+    "follows tiles; the same kernel timed several times in this run spreads over about 5%")
 
 
-def check_prescale_cost(fn) -> None:
-    """``fn(batch, heads, tokens, head_dim, itemsize, bandwidth_gbs, prescaled_us, fused_us) -> (predicted,
-    measured)``: the µs that scaling Q in a pass of its own adds, from its bytes over the copy bandwidth, and from
-    the two recorded times."""
-    _check(PRESCALE, fn)
+def check_causal_speedup(fn) -> None:
+    """``fn(tokens, block_m, block_n, full_us, causal_us) -> (predicted, measured)``: the tiles a full forward
+    visits over the tiles a causal one does (Nq = Nkv = tokens), and the full time over the causal time."""
+    _check(CAUSAL, fn)
 
 
 # --- 03: gather the pages, then SDPA, against paged attention reading the pages in place -----------------------
@@ -222,7 +226,7 @@ GATHER = Item(
     lambda gather_us, paged_us, **_: gather_us / paged_us,
     _gather_mistakes, 0.15,
     "each of the three passes over the 537 MB of K and V is memory-bound at this size, over 100 µs against a few µs "
-    "of launch, and runs within about 7% of the copy bandwidth: the time ratio is the byte ratio to about ±15%")
+    "of launch, and both paths run at 85 to 90% of the copy bandwidth: the time ratio is the byte ratio to about ±15%")
 
 
 def check_gather_ratio(fn) -> None:
