@@ -129,7 +129,8 @@ def _swiglu_live() -> dict:
     dtype = runtime.dtype()
     gate, up = (torch.randn(tokens, 14336, device=runtime.device(), dtype=dtype) for _ in range(2))
     return dict(tokens=tokens, intermediate=14336, itemsize=gate.element_size(),
-                eager_us=time_fn(reference.swiglu, gate, up).median_us, fused_us=time_fn(ops.swiglu, gate, up).median_us)
+                eager_us=time_fn(reference.swiglu, gate, up).median_us,
+                fused_us=time_fn(ops.swiglu, gate, up).median_us)
 
 
 SWIGLU = dataclasses_replace(SWIGLU, live=_swiglu_live)

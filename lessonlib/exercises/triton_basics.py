@@ -154,7 +154,8 @@ def check_scale_add_kernel(kernel) -> None:
                 ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
             ], _describe((x, y)) + f", alpha={alpha:.3f}")
     print(f"✓ scale_add: your kernel is right for n = {', '.join(map(str, SCALE_ADD_SIZES))} (BLOCK = {block}) in "
-          f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}, nothing stored past the end")
+          f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}, nothing stored past "
+          "the end")
 
 
 def _run(name: str, launch, args):
@@ -164,7 +165,8 @@ def _run(name: str, launch, args):
     except ExerciseFailed:
         raise
     except Exception as e:
-        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {str(e).splitlines()[0] if str(e) else ''}") from None
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {first_line}") from None
 
 
 # --- 2. transpose: out[j, i] = x[i, j], x strided ---------------------------------------------------------------
