@@ -294,10 +294,10 @@ def test_real_notebooks_full_points_and_zero(real_submissions):
     csv_path = grading.grade(subs, base / "graded", NOTEBOOKS, limits, jobs=2, log=lambda line: None)
     assert grades(csv_path) == [
         ["student", "physical_slot", "free_sequence", "paged_decode_kernel", "rope_kernel", "rope_store_kv_kernel",
-         "refresh_static_inputs", "graph_safe_decode_step", "total"],
-        ["instructor", "1", "2", "2", "1", "2", "1", "2", "11"],
-        ["student_copy", "0", "0", "0", "0", "0", "0", "0", "0"],
-        ["wrong_answers", "0", "0", "0", "0", "0", "0", "2", "2"],
+         "gather_ratio", "refresh_static_inputs", "graph_safe_decode_step", "graph_saving", "total"],
+        ["instructor", "1", "2", "2", "1", "2", "1", "1", "2", "1", "13"],
+        ["student_copy", "0", "0", "0", "0", "0", "0", "0", "0", "0", "0"],
+        ["wrong_answers", "0", "0", "0", "0", "0", "0", "0", "2", "1", "3"],
     ]
     text = (base / "graded" / "feedback" / "wrong_answers.txt").read_text()
     assert "refresh_static_inputs: 0/1  refresh_static_inputs: static['hidden'] is a different tensor" in text
