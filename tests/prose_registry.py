@@ -360,10 +360,6 @@ LESSONS_05_06_07 = (
           "every parting's gap within four float16 spacings (the stored output)"),
     Measured("07_serving_engine", "57690133", "must read every weight once: 2.47 GB", "2.47 GB",
              lambda: run("engine-h200").one(op="decode_step_limit", batch=1)["weight_bytes"] / 1e9),
-    Holds("07_serving_engine", "8a1d0c01", "In it \"+ FlashAttention prefill\" comes out slower than \"+ fused ops\", "
-          "and \"+ paged decode\" does not climb back to \"+ fused ops\"",
-          lambda: ladder(Impl.RUNG_FLASH_PREFILL) < ladder(Impl.RUNG_FUSED_OPS) > ladder(Impl.RUNG_PAGED_DECODE),
-          "tokens/s of the recorded ladder"),
     Holds("07_serving_engine", "8a1d0c01", "\"+ CUDA graphs\", several times faster than the rung below it",
           lambda: ladder(Impl.RUNG_CUDA_GRAPHS) / ladder(Impl.RUNG_PAGED_DECODE) >= SEVERAL,
           "tokens/s of the recorded ladder"),

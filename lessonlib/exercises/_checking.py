@@ -107,6 +107,7 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
         raise ExerciseFailed(f"{failure}\n  on {where}")
     from lessonlib.testing import tolerance
 
+    truth = truth.cpu()  # a GPU run's float64 truth, beside the CPU copies below
     allowed = tolerance(truth, low.cpu(), out.dtype) + allowance
     got = out.detach().double().cpu()
     matches = []
