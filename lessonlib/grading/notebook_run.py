@@ -168,8 +168,10 @@ def _run_cells(sources: list[str], box: sandbox.Box, limits: Limits, output: Pat
     env = _environment(box)
     argv = sandbox.wrap(box, [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"], env)
     status, notes, replies = {}, [], {}
-    # Unix sockets in the one folder the sandbox shares with the grader: the sandbox has no network.
-    km = AsyncKernelManager(kernel_name="lessonlib-grading", transport="ipc", ip=str(box.writable / "k"),
+    # Unix sockets in the one folder the sandbox shares with the grader: the sandbox has no network. Unsandboxed,
+    # loopback TCP as Jupyter's default (some file systems refuse sockets: ZMQError "Operation not supported").
+    transport, ip = ("tcp", "127.0.0.1") if box.mode == "none" else ("ipc", str(box.writable / "k"))
+    km = AsyncKernelManager(kernel_name="lessonlib-grading", transport=transport, ip=ip,
                             connection_file=str(box.writable / "kernel.json"),
                             kernel_spec_manager=_kernel_spec_manager(box.writable.parent / "spec", argv))
     client = _capped_client(notebook, km, box.work, limits)
