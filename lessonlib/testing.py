@@ -29,6 +29,9 @@ import torch
 
 ERROR_FACTOR = 2.0
 ROUNDINGS = 2
+# Each is called as observe(name, dtype, worst_error, tolerance) by every check_close before it passes or fails:
+# tests/tolerance_hunt.py logs each check's error as a fraction of its tolerance.
+OBSERVERS: list = []
 
 
 def to_float64(*tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -83,12 +86,14 @@ def check_close(name: str, out: torch.Tensor, truth: torch.Tensor, low_precision
     err = (got - truth).abs()
     tol = tolerance(truth, low_precision.cpu(), out.dtype, magnitude) + allowance
     worst = err.max().item() if err.numel() else 0.0
+    for observe in OBSERVERS:
+        observe(name, out.dtype, worst, tol)
     if worst > tol:
         where = tuple(int(i) for i in (err == err.max()).nonzero()[0])
         raise AssertionError(
             f"{name}: max error {worst:.3g} at index {where} (got {got[where].item():.6g}, expected "
             f"{truth[where].item():.6g}); allowed {tol:.3g} = {ERROR_FACTOR:g} x the {out.dtype} reference's own "
-            f"error + {ROUNDINGS} roundings" + (f" + {allowance:.3g} for the scores' float32 roundings" if allowance else "")
+            f"error + {ROUNDINGS} roundings" + (f" + {allowance:.3g} derived (float32 roundings)" if allowance else "")
         )
 
 
