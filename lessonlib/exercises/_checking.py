@@ -37,7 +37,7 @@ def _call(name: str, fn, args):
         raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
 
 
-def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) -> None:
+def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, allowance: float = 0.0) -> None:
     if not isinstance(out, torch.Tensor):
         raise ExerciseFailed(f"{name} returned {type(out).__name__}; expected a torch.Tensor")
     if tuple(out.shape) != tuple(truth.shape):
@@ -56,7 +56,7 @@ def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) 
                 f"missing at index {first}): does your grid cover every row and block, and your mask every column?"
             )
     try:
-        check_close(name, out, truth, low)
+        check_close(name, out, truth, low, allowance=allowance)
     except AssertionError as e:
         raise ExerciseFailed(f"{e}\n  on {_describe(args)}. Compute in float32 and round once when storing.") from None
 
