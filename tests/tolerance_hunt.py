@@ -42,10 +42,10 @@ class _Log:
                           "dtype": str(dtype).removeprefix("torch."), "error": error, "tolerance": tolerance,
                           "fraction": fraction})
 
-    def flush(self):
+    def flush(self, test_passed: bool):
         with open(self.path, "a") as f:
             for row in self.rows:
-                f.write(json.dumps(row) + "\n")
+                f.write(json.dumps({**row, "test_passed": test_passed}) + "\n")
         self.rows.clear()
 
 
@@ -65,16 +65,24 @@ def pytest_runtest_call(item):
     log = getattr(item.config, "_tolerance_hunt", None)
     if log is not None:
         log.test = item.nodeid
-    yield
+    outcome = yield
     if log is not None:
-        log.flush()  # per test, so an interrupted run keeps what it measured
+        log.flush(outcome.excinfo is None)  # per test, so an interrupted run keeps what it measured
+
+
+def planted(row) -> bool:
+    """A check over its tolerance in a test that passed: the test expected it to fail (pytest.raises around a known
+    mistake), so it is no measure of a tolerance."""
+    return row["fraction"] > 1 and row.get("test_passed", True)
 
 
 def summary(rows) -> list[dict]:
-    """One entry per (test, check), worst first: how many times it ran, its worst and median fraction."""
+    """One entry per (test, check), worst first: how many times it ran, its worst and median fraction. Planted
+    failures (:func:`planted`) are left out."""
     by_check = defaultdict(list)
     for row in rows:
-        by_check[(row["test"], row["check"])].append(row)
+        if not planted(row):
+            by_check[(row["test"], row["check"])].append(row)
     out = []
     for (test, check), found in by_check.items():
         fractions = sorted(r["fraction"] for r in found)
@@ -99,7 +107,8 @@ def main(argv=None) -> int:
         f = files[e["test"].split("::")[0]]
         f[0], f[1] = max(f[0], e["worst"]), f[1] + e["n"]
         f[2].add(e["test"].split("[")[0])
-    print(f"{len(rows)} checks logged, {len({r['run'] for r in rows})} pytest runs, {len(entries)} distinct checks")
+    print(f"{len(rows)} checks logged ({sum(map(planted, rows))} planted failures left out), "
+          f"{len({r['run'] for r in rows})} pytest runs, {len(entries)} distinct checks")
     print(f"\n{'test file':55} {'worst':>7} {'checks':>8}")
     for name, (worst, n, _) in sorted(files.items(), key=lambda kv: -kv[1][0]):
         print(f"{name:55} {worst:7.3f} {n:8d}")
