@@ -97,7 +97,7 @@ def term_magnitudes(model, tokens, targets):
     for name, normed in model.taps.items():  # n = normed / weight
         n = normed.detach() / getattr(model, name).detach()
         terms[name] = (normed.grad.abs() * n.abs()).flatten(0, -2).sum(0).max().item()
-    normed, logits_out = kept[model.lm_head]
+    normed, _ = kept[model.lm_head]
     terms["logits"] = (normed.abs() @ model.lm_head.weight.abs().T).max().item()
     return logits, loss, grads, terms
 
