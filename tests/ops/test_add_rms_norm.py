@@ -149,10 +149,12 @@ class _NoMeanTermBackward(torch.autograd.Function):
         return d_h, d_h, d_weight, None
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (7, 123)])
+@pytest.mark.parametrize("shape", [(7, 123), (37, 24)])
 def test_add_rms_norm_gradient_allowances_still_catch_a_wrong_backward(shape, dtype):
     # The terms' magnitudes and rstd's allowance widen the tolerance where the result cancels; a backward that
-    # leaves out the mean term is off by rstd * |n| * mean|d_n * n|, a whole term, and must still fail.
+    # leaves out the mean term is off by rstd * |n| * mean|d_n * n|, a whole term, and must still fail (measured:
+    # 5.6x the tolerance at least in float16). Rows of many elements, so the mistake's largest size does not hang
+    # on one random gradient: at (1, 1) in float16 a small d_n hid under d(residual_out)'s rounding, 1 run in 5.
     x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, scale=4)
     weight = randn(shape[-1], dtype=dtype)
     with pytest.raises(AssertionError, match="dx: max error"):
