@@ -186,6 +186,33 @@ def swiglu_grad_magnitudes(args, grads) -> dict[str, float]:
     return {"gate": (grads[0].abs() * up.abs() * s * (1 + gate.abs() * (1 - s))).max().item()}
 
 
+# A float32 sigmoid's own roundings, relative: exp (within 1 unit; CUDA's fast exp 2), the add and the reciprocal.
+SIGMOID_UNITS = 3
+
+
+def swiglu_allowance(gate: torch.Tensor, up: torch.Tensor) -> float:
+    """The float32 sigmoid's share of swiglu's error: silu(gate) * up is off by up to :data:`SIGMOID_UNITS`
+    relative, a draw of the kernel's own. The reference's error does not bound it where a tensor has few elements
+    (at (1, 1) its one error can be a lucky near-zero sample: 0.64 of the plain rule's tolerance in 20 runs)."""
+    gate, up = (t.detach().double() for t in (gate, up))
+    if not gate.numel():
+        return 0.0
+    silu = gate * torch.sigmoid(gate)
+    return SIGMOID_UNITS * torch.finfo(torch.float32).eps * (silu * up).abs().max().item()
+
+
+def swiglu_grad_allowances(args, grads) -> dict[str, float]:
+    """The sigmoid's share (:func:`swiglu_allowance`) of swiglu's output and gradients: d(up) = g * silu(gate) carries
+    it once; d(gate) = g * up * s * (1 + gate * (1 - s)) through s and 1 - s, whose absolute error is s's, so at
+    most |g * up * s| * (1 + |gate|)."""
+    (gate, up), (g,) = args, grads
+    if not gate.numel():
+        return {}
+    s, unit = torch.sigmoid(gate), SIGMOID_UNITS * torch.finfo(torch.float32).eps
+    return {"output 0": swiglu_allowance(gate, up), "up": unit * (g * gate * s).abs().max().item(),
+            "gate": unit * (g * up * s * (1 + gate.abs())).abs().max().item()}
+
+
 def gated_mlp_magnitude(mlp, x: torch.Tensor) -> float:
     """A gated MLP's output is down_proj(act), act = silu(gate_proj(x)) * up_proj(x): a sum over the intermediate
     size with random signs, whose roundings (FusedGatedMLP's and the reference's, in other orders) are those of its
