@@ -10,7 +10,7 @@ import torch
 from lessonlib import measured, ops, reference, runtime, traffic
 from lessonlib.bench import Case
 from lessonlib.results import Impl, Op
-from lessonlib.testing import check_close, to_float64
+from lessonlib.testing import check_close, gated_mlp_magnitude, to_float64
 
 CHECKED_ROWS = 16  # the GatedMLP's rows are independent: its float64 check runs on the first few (a float64
 # product at T=8192, H=4096, I=14336 would take seconds on a GPU with little float64 throughput, such as a T4)
@@ -34,7 +34,8 @@ def compile_case(op: str, shape: dict) -> Case:
         truth.load_state_dict({k: v.double() for k, v in mlp.state_dict().items()})
         rows = x[:CHECKED_ROWS]
         with torch.no_grad():
-            check_close("FusedGatedMLP", fused(rows), truth(*to_float64(rows)), mlp(rows))
+            (rows64,) = to_float64(rows)
+            check_close("FusedGatedMLP", fused(rows), truth(rows64), mlp(rows), gated_mlp_magnitude(truth, rows64))
 
     peers = {Impl.EAGER: mlp, Impl.COMPILE: torch.compile(mlp, dynamic=False), Impl.FUSED_GATED_MLP: fused}
     return Case(op, shape, {impl: (lambda fn=fn: fn(x)) for impl, fn in peers.items()}, check,

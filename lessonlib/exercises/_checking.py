@@ -57,7 +57,7 @@ def _call(name: str, fn, args):
         raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
 
 
-def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) -> None:
+def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, allowance: float = 0.0) -> None:
     if not isinstance(out, torch.Tensor):
         raise ExerciseFailed(f"{name} returned {type(out).__name__}; expected a torch.Tensor")
     if tuple(out.shape) != tuple(truth.shape):
@@ -76,7 +76,7 @@ def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args) 
                 f"missing at index {first}): does your grid cover every row and block, and your mask every column?"
             )
     try:
-        check_close(name, out, truth, low)
+        check_close(name, out, truth, low, allowance=allowance)
     except AssertionError as e:
         raise ExerciseFailed(f"{e}\n  on {_describe(args)}. Compute in float32 and round once when storing.") from None
 
@@ -94,7 +94,7 @@ def _not_implemented_output(name: str, out: torch.Tensor, truth: torch.Tensor) -
 
 def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str,
               allowance: float = 0.0) -> None:
-    """Pass if ``out`` is within the tolerance rule of ``truth``; else name the first known mistake whose float64
+    """Pass if ``out`` is within the tolerance rule of ``truth``; else name the closest known mistake whose float64
     output ``out`` matches (within the same tolerance) and which differs from the truth, else report the error.
     ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure).
     ``allowance``: attention's score roundings (``testing.attention_allowance``)."""

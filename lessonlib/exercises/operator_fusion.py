@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lessonlib import reference, runtime
+from lessonlib import reference, runtime, testing
 from lessonlib.exercises._checking import ExerciseFailed, _call, _check_output, _inputs, _require_kernel
 from lessonlib.exercises._guards import Guards, launch_guards, output_like
 from lessonlib.testing import to_float64
@@ -84,7 +84,8 @@ def check_swiglu(kernel=None, *, op=None) -> None:
                 guards = Guards("swiglu")
                 gate, up = guards.place("gate", gate), guards.place("up", up)
                 out = guards.run(lambda: _call("swiglu", lambda g, u: swiglu(kernel, g, u, guards), (gate, up)))
-            _check_output("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up), (gate, up))
+            _check_output("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up), (gate, up),
+                          testing.swiglu_allowance(gate, up))
     what = "lessonlib's op" if op is not None else "your kernel"
     print(f"✓ swiglu: {what} matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
 
@@ -111,7 +112,8 @@ def check_add_rms_norm(kernel=None, *, op=None) -> None:
             truth = reference.add_rms_norm(*to_float64(x, residual, weight), 1e-6)
             low = reference.add_rms_norm(x, residual, weight, 1e-6)
             _check_output("add_rms_norm: updated_residual", result[1], truth[1], low[1], args)
-            _check_output("add_rms_norm: normalized", result[0], truth[0], low[0], args)
+            _check_output("add_rms_norm: normalized", result[0], truth[0], low[0], args,
+                          testing.rms_norm_allowance(truth[0]))
     what = "lessonlib's op" if op is not None else "your kernel"
     print(f"✓ add_rms_norm: {what} matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
 
@@ -138,17 +140,19 @@ def check_fused_backward() -> None:
     backward kernels, against float64 autograd through the reference: odd shapes, every supported dtype, gradients
     poisoned (NaN) until the backward kernels write them. Raises AssertionError with the worst element otherwise."""
     from lessonlib import ops
-    from lessonlib.testing import check_gradients, swiglu_grad_magnitudes
 
     for dtype in runtime.supported_dtypes():
         for shape in SWIGLU_SHAPES:
             gate, up = _inputs(shape, shape, dtype=dtype)
-            check_gradients("swiglu", ops.swiglu, reference.swiglu, (gate, up), ("gate", "up"), swiglu_grad_magnitudes)
+            testing.check_gradients("swiglu", ops.swiglu, reference.swiglu, (gate, up), ("gate", "up"),
+                                    testing.swiglu_grad_magnitudes, testing.swiglu_grad_allowances)
         for shape in ADD_RMS_NORM_SHAPES:
             x, residual, weight = _inputs(shape, shape, shape[-1:], dtype=dtype)
-            check_gradients("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm, (x, residual, weight, 1e-6),
-                            ("x", "residual", "weight", None))
+            testing.check_gradients("add_rms_norm", ops.add_rms_norm, reference.add_rms_norm,
+                                    (x, residual, weight, 1e-6), ("x", "residual", "weight", None),
+                                    testing.add_rms_norm_grad_magnitudes, testing.add_rms_norm_grad_allowances)
         q, k = _inputs((2, 4, 7, 64), (2, 2, 7, 64), dtype=dtype)
         cos, sin = reference.rope_cos_sin(torch.arange(7, device=runtime.device()), 64, dtype=dtype)
-        check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin), ("q", "k", None, None))
+        testing.check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin),
+                                ("q", "k", None, None))
     print("✓ gradients of swiglu, add_rms_norm and apply_rope match float64 autograd (odd shapes x every supported dtype)")

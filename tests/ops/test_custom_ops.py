@@ -77,8 +77,15 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
             q_new = ops.rope_store_kv(qkv, cos[-1:], sin[-1:], k_cache, v_cache, new_slot, num_heads=heads,
                                       num_kv_heads=kv_heads, validate=False)
             projected = ops.gemv(normed[:1].detach(), x[:4].detach(), activation="swiglu")
-        return (normed.sum() + residual.sum() + attn.square().sum() + act.sum() + decoded.sum() + q_new.sum()
-                + projected.sum())
+        outputs = (normed, residual, attn, act, decoded, q_new, projected)
+        # The loss is glue, not a lessonlib op, and Inductor compiles glue its own way: in float16 eager rounds each
+        # sum, square and add to float16 where Inductor's fused kernel keeps float32, so a float16 loss differed from
+        # eager's by a few float16 roundings, past assert_close's rtol of 1e-3 now and then (simulated: 7% of draws;
+        # the likely cause of the failure once in five H200 runs). In float32 the gradients the loss sends the ops
+        # are exact in both (ones, 2 * attn), and the sum's order moves only the loss, which is not compared.
+        loss = (normed.float().sum() + residual.float().sum() + attn.float().square().sum() + act.float().sum()
+                + decoded.float().sum() + q_new.float().sum() + projected.float().sum())
+        return loss, outputs
 
     shapes = [(tokens, hidden), (tokens, hidden), (hidden,), (tokens, 24), (tokens, 24), (1, heads, tokens, head_dim),
               (1, kv_heads, tokens, head_dim), (1, kv_heads, tokens, head_dim)]
@@ -87,15 +94,18 @@ def test_compiled_block_of_every_op_forward_and_backward_without_a_graph_break()
     compiled_args = [grad(a) for a in args] + [cache.k_cache.clone(), cache.v_cache.clone()]
     assert torch._dynamo.explain(block)(*[grad(a) for a in args], cache.k_cache.clone(),
                                         cache.v_cache.clone()).graph_break_count == 0
-    eager = block(*eager_args)
-    eager.backward()
-    compiled = torch.compile(block, fullgraph=True)(*compiled_args)
-    compiled.backward()
-    torch.testing.assert_close(compiled, eager)  # same kernels on the same inputs
+    eager_loss, eager = block(*eager_args)
+    eager_loss.backward()
+    compiled_loss, compiled = torch.compile(block, fullgraph=True)(*compiled_args)
+    compiled_loss.backward()
+    # Same kernels on the same inputs: every op's output and every gradient equal eager's bit for bit (the glue
+    # around them is exact: gate * 2.0, slices, copies, and the loss's gradients above).
+    for name, a, b in zip(("normed", "residual", "attn", "act", "decoded", "q_new", "projected"), compiled, eager):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"{name} compiled vs eager")
     for name, a, b in zip(("x", "residual", "weight", "gate", "up", "q", "k", "v"), compiled_args, eager_args):
-        torch.testing.assert_close(a.grad, b.grad, msg=f"d{name} compiled vs eager")
+        torch.testing.assert_close(a.grad, b.grad, rtol=0, atol=0, msg=f"d{name} compiled vs eager")
     # store_kv's and rope_store_kv's writes happened in the compiled run
-    torch.testing.assert_close(compiled_args[-2], eager_args[-2])
-    torch.testing.assert_close(compiled_args[-1], eager_args[-1])
+    torch.testing.assert_close(compiled_args[-2], eager_args[-2], rtol=0, atol=0)
+    torch.testing.assert_close(compiled_args[-1], eager_args[-1], rtol=0, atol=0)
     new_v = qkv[0, (heads + kv_heads) * head_dim:].view(kv_heads, head_dim)
     assert torch.equal(compiled_args[-1].view(-1, kv_heads, head_dim)[4], new_v)
