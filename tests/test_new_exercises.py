@@ -7,7 +7,7 @@ address figure's data comes from the kernel itself."""
 import pytest
 import torch
 
-from lessonlib import exercises
+from lessonlib import exercises, runtime
 from lessonlib.exercises import ExerciseFailed
 from tests.test_kernel_exercises import define, gen, mutated, solution_source
 
@@ -194,7 +194,7 @@ def test_dkdv_planted_mistake_is_named(edit, message):
 
 
 def test_dkdv_launcher_refuses_bad_input_before_launching():
-    q = torch.randn(1, 2, 5, 16)
+    q = torch.randn(1, 2, 5, 16, device=runtime.device()).half()  # float16 runs in the interpreter and on any GPU
     with pytest.raises(ValueError, match="q's heads"):
         exercises.flash_dkdv(None, q, q[:, :1], q[:, :1], q)
 
