@@ -256,7 +256,11 @@ def test_scheduling_ahead_keeps_the_synchronous_schedule(path, scenario):
     lengths = [rng.randrange(2, 12) for _ in range(count)]
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
     if scenario == "preemption":
-        engine["num_blocks"] = 5  # six prompts of 14-15 tokens that grow past their first block
+        # six prompts of 14-15 tokens that all grow past their first 16-token block: four running need eight
+        # blocks of the five. (With 2 to 11 new tokens, requests that stayed within one block could leave nobody
+        # preempted: the full suite's run drew that once.)
+        engine["num_blocks"] = 5
+        params = [replace(p, max_tokens=rng.randrange(4, 12)) for p in params]
     elif scenario == "static batching":
         base = replace(base, continuous_batching=False)
     elif scenario == "sampled":
