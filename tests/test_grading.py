@@ -311,8 +311,10 @@ def test_command_line(tmp_path):
     result = subprocess.run([sys.executable, "-m", "lessonlib.grading", str(tmp_path / "subs"), "--cell-timeout", "60"],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "[1/1] ann: 03_paged_attention.ipynb: 0/8 points" in result.stdout
-    assert grades(tmp_path / "subs-graded" / "grades.csv")[1] == ["ann", "0", "0", "0", "0", "0", "0"]
+    graded = [c.metadata["nbgrader"]["points"] for c in nbformat.read(ROOT / "notebooks" / PAGED, as_version=4).cells
+              if c.metadata.get("nbgrader", {}).get("grade")]  # the lesson's exercises, as the instructor set them
+    assert f"[1/1] ann: 03_paged_attention.ipynb: 0/{sum(graded)} points" in result.stdout
+    assert grades(tmp_path / "subs-graded" / "grades.csv")[1] == ["ann"] + ["0"] * (len(graded) + 1)
     assert "NameError" in (tmp_path / "subs-graded" / "feedback" / "ann.txt").read_text()
     bad = subprocess.run([sys.executable, "-m", "lessonlib.grading", str(tmp_path / "nowhere")],
                          capture_output=True, text=True)
