@@ -20,11 +20,12 @@ NOTEBOOKS ?= notebooks/student
 lab:
 	$(BIN)/jupyter lab $(NOTEBOOKS) $(if $(filter 0,$(shell id -u)),--allow-root)
 
-# Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared).
+# Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared);
+# the 25 slowest listed at the end (CI time).
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 
 test:
-	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL)
+	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) --durations=25
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py
