@@ -113,7 +113,7 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
     matches = []
     for explanation, wrong in (mistakes() if callable(mistakes) else mistakes):
         wrong = wrong.detach().double().cpu()
-        off = (wrong - truth.cpu()).abs().max().item()
+        off = (wrong - truth).abs().max().item()
         distance = (got - wrong).abs().max().item()
         # A mistake's own low-precision error is not known: allow 4x the truth's tolerance and 2% of how far the
         # mistake lies from the truth, far closer than any other wrong answer comes.
