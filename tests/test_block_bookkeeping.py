@@ -69,3 +69,17 @@ def test_forgetting_the_prefix_cache_keeps_blocks_in_use():
     again = Sequence(list(seq.token_ids), SamplingParams())
     assert manager.cached_prefix(again) == ([], [])
     assert manager.num_used == used and all(manager.allocator.ref_counts[b] == 1 for b in seq.block_table)
+
+
+def test_the_scheduler_uses_the_block_managers_public_api_only():
+    """No private method and no reach into the allocator: the scheduler reads ``self.blocks.<public name>``."""
+    import ast
+    import inspect
+
+    from lessonlib.engine import scheduler
+
+    used = {node.attr for node in ast.walk(ast.parse(inspect.getsource(scheduler)))
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+            and node.value.attr == "blocks" and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"}
+    public = {name for name in dir(BlockManager) if not name.startswith("_")} | {"block_size"}
+    assert used and used <= public, f"the scheduler uses {sorted(used - public)} of the block manager"

@@ -43,12 +43,17 @@ class BlockManager:
         must run through the model), and their digests. Changes nothing: :meth:`allocate` shares them."""
         return self.allocator.cached_prefix(seq.token_ids, self.block_size, (len(seq) - 1) // self.block_size)
 
-    def free_blocks_needed(self, seq: Sequence) -> int:
-        """Free blocks admitting ``seq`` takes: its uncached blocks, plus cached blocks that sit in the free list
-        (a finished sequence's blocks stay findable there until they are handed out again)."""
+    def prefix_hits(self, seq: Sequence) -> tuple[int, int]:
+        """How many of ``seq``'s leading blocks the prefix cache holds (:meth:`cached_prefix`), and how many of those
+        sit idle in the free list (a finished sequence's blocks stay findable there until they are handed out
+        again): admitting ``seq`` takes the idle ones out of the pool, the busy ones cost no free block."""
         hits, _ = self.cached_prefix(seq)
-        idle_hits = sum(self.allocator.ref_counts[b] == 0 for b in hits)
-        return self.blocks_for(len(seq)) - len(hits) + idle_hits
+        return len(hits), sum(self.allocator.ref_counts[b] == 0 for b in hits)
+
+    def free_blocks_needed(self, seq: Sequence) -> int:
+        """Free blocks admitting ``seq`` takes: its uncached blocks, plus its cached blocks that sit idle."""
+        cached, idle = self.prefix_hits(seq)
+        return self.blocks_for(len(seq)) - cached + idle
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.free_blocks_needed(seq) <= self.num_free
