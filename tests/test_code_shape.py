@@ -57,3 +57,15 @@ def test_the_engine_is_the_engine_alone():
            for name in sorted(imported_modules(ast.parse(p.read_text())))
            if any(name == banned or name.startswith(banned + ".") for banned in ENGINE_MUST_NOT_IMPORT)]
     assert not bad, "the engine imports lesson code:\n" + "\n".join(bad)
+
+
+def test_one_class_one_name():
+    """Issue 25: a class name means one thing in lessonlib (``DecoderLayer`` is lesson 05's layer, the engine's is
+    ``EngineLayer``; ``DecodeInputs`` is lesson 05's step inputs, the engine's staging buffers are ``DecodeBuffers``)."""
+    where: dict[str, list[str]] = {}
+    for path in python_files("lessonlib"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"one name, several classes: {twice}"

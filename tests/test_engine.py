@@ -504,10 +504,10 @@ def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
     its position and slot, its length and block table, all in one buffer; rows past the batch point at the padding
     block."""
     from lessonlib.engine.llm import PENDING
-    from lessonlib.engine.model_runner import DecodeInputs
+    from lessonlib.engine.model_runner import DecodeBuffers
     from lessonlib.engine.sequence import Sequence
 
-    inputs = DecodeInputs(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
+    inputs = DecodeBuffers(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
     a = Sequence(list(range(1, 18)), GREEDY, block_table=[5, 2])  # 17 tokens: the last in block 2, offset 0
     b = Sequence([7] * 3, GREEDY, block_table=[4])
     views = inputs.fill([a, b], rows=3, previous_rows=[None, None])
