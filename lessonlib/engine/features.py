@@ -1,4 +1,5 @@
-"""The engine's speed-ups, one switch each (lesson 07's tokens/s ladder). Everything on is the engine's default;
+"""The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
+:func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default;
 a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
 (in 16 bits each sums in its own order, so they agree up to near-ties).
 
@@ -24,9 +25,7 @@ a switch turned off runs that part the plain-PyTorch way, so every combination g
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-
-from lessonlib.results import Impl
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -46,15 +45,3 @@ class Features:
 
 
 PLAIN_PYTORCH = Features(**{f.name: False for f in fields(Features)})
-
-
-def ladder() -> list[tuple[str, Features]]:
-    """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
-    rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
-    for names, label in ((("fused_ops", "gemv"), Impl.RUNG_FUSED_OPS), (("flash_prefill",), Impl.RUNG_FLASH_PREFILL),
-                         (("paged_decode",), Impl.RUNG_PAGED_DECODE),
-                         (("cuda_graphs", "async_scheduling"), Impl.RUNG_CUDA_GRAPHS),
-                         (("continuous_batching",), Impl.RUNG_CONTINUOUS_BATCHING)):
-        features = replace(features, **dict.fromkeys(names, True))
-        rungs.append((label, features))
-    return rungs

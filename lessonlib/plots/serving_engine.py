@@ -1,77 +1,20 @@
-"""What lesson 07 draws: the scheduler under a stream of arriving requests (bookkeeping only, no model: the scheduler
-and block manager call no kernel, so thousands of steps take a second), an engine run's step timeline, and the
-recorded GPU run (``lessonlib/results/engine-h200.json``)."""
+"""What lesson 07 draws: the scheduler under a stream of arriving requests
+(:func:`lessonlib.cases.serving_engine.simulate`), an engine run's step timeline, the recorded GPU run
+(``lessonlib/results/engine-h200.json``) and its tokens/s ladder."""
 
 from __future__ import annotations
 
-import random
-from dataclasses import dataclass
-
 import matplotlib.pyplot as plt
-import torch
 
-from lessonlib.engine.block_manager import BlockManager
-from lessonlib.engine.scheduler import Scheduler
-from lessonlib.engine.sequence import SamplingParams, Sequence
-from lessonlib.plots import IMPL_COLORS, figure, finish
-from lessonlib.plots._figure import plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
 from lessonlib.results import Impl, Op
-from lessonlib.serving.greedy_parity import first_difference, near_tie_gap
 
 
-@dataclass
-class SimulatedStep:
-    step: int
-    kind: str
-    running: int
-    waiting: int
-    blocks_used: int
-    blocks_reserved: int  # what a server reserving each running request's maximum length up front would hold
-    preemptions: int
-    cached_tokens: int  # prompt tokens served from the prefix cache, so far
-
-
-def simulate(arrival_rate: float = 0.5, block_size: int = 16, num_blocks: int = 256, steps: int = 400,
-             max_num_seqs: int = 32, shared_prefix: int = 64, seed: int = 0) -> list[SimulatedStep]:
-    """Requests arrive at ``arrival_rate`` per step (Poisson); prompts of 16-256 tokens, half of them opening with
-    the same ``shared_prefix``-token system prompt; each asks for up to 256 new tokens and stops after a random
-    number of them (as an end-of-sequence token would). The real Scheduler and BlockManager run; the model is
-    replaced by "append a token"."""
-    rng = random.Random(seed)
-    blocks = BlockManager(num_blocks, block_size)
-    scheduler = Scheduler(blocks, max_num_seqs, max_num_batched_tokens=4096)
-    system = [rng.randrange(1000) for _ in range(shared_prefix)]
-    stops: dict[int, int] = {}
-    records, cached, next_arrival = [], 0, rng.expovariate(arrival_rate) if arrival_rate > 0 else float("inf")
-    for step in range(steps):
-        while next_arrival <= step:
-            prompt = [rng.randrange(1000) for _ in range(rng.randrange(16, 256))]
-            if rng.random() < 0.5:
-                prompt = system + prompt
-            seq = Sequence(prompt[: num_blocks * block_size // 2], SamplingParams(max_tokens=256))
-            stops[seq.seq_id] = rng.randrange(1, 257)
-            scheduler.add(seq)
-            next_arrival += rng.expovariate(arrival_rate)
-        seqs, is_prefill = scheduler.schedule() if not scheduler.is_finished() else ([], False)
-        if is_prefill:
-            cached += sum(seq.num_cached_tokens for seq in seqs)
-        for seq in seqs:
-            seq.token_ids.append(rng.randrange(1000))
-            if not is_prefill:
-                blocks.register_written(seq, len(seq.token_ids) - 2)  # the fed token's block, once full, is cached
-            if seq.num_output_tokens >= stops[seq.seq_id]:
-                scheduler.finish(seq, "stop")
-        reserved = sum(blocks.blocks_for(seq.num_prompt_tokens + seq.params.max_tokens) for seq in scheduler.running)
-        records.append(SimulatedStep(step, "prefill" if is_prefill else ("decode" if seqs else "idle"),
-                                     len(scheduler.running), len(scheduler.waiting), blocks.num_used, reserved,
-                                     scheduler.num_preemptions, cached))
-    return records
-
-
-def plot_simulation(records: list[SimulatedStep], num_blocks: int, axes=None):
-    """Two panels over the same steps: KV blocks in use against what up-front reservation would hold (above), and
-    the requests running and waiting (below). Blocks and requests each get an axis of their own: drawn on one
-    axis and its twin, nothing said which scale a line was read on. Returns the two axes."""
+def plot_simulation(records: list, num_blocks: int, axes=None):
+    """Two panels over the same steps (``records``: :func:`lessonlib.cases.serving_engine.simulate`): KV blocks in
+    use against what up-front reservation would hold (above), and the requests running and waiting (below). Blocks
+    and requests each get an axis of their own: drawn on one axis and its twin, nothing said which scale a line was
+    read on. Returns the two axes."""
     if axes is None:
         _, axes = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
     blocks, queue = axes
@@ -285,59 +228,3 @@ def plot_ladder_steps(rows: list[dict], ax) -> None:
     ax.set_ylabel("µs per engine step (log scale)")
     ax.set_title("where a step's time goes: the host, or the GPU's kernels", fontsize=10)
     ax.legend(fontsize=7, loc="upper right")
-
-
-def show_live_ladder(runs, expected: list[list[int]], *, model_path=None, prompts=None, dtype=None) -> None:
-    """A live ladder's table (``lessonlib.engine.ladder.run_ladder``); raises if a rung left blocks in use or if its
-    tokens differ from ``expected`` (transformers' greedy tokens in the engine's dtype, one list per request).
-
-    In float32 (the interpreter) every rung must give ``expected`` exactly. In 16 bits (``dtype``, with
-    ``model_path`` and the text ``prompts``) a rung may part from it at a **near-tie**
-    (:func:`lessonlib.serving.greedy_parity.near_tie_gap`): where the two first part, the float64 logits of their two
-    tokens differ by no more than the 16-bit rounding allows there, and one of them is within that of the float64
-    best. Each summation order rounds differently, and random-ish weights give close calls; any wider gap is a wrong
-    token and raises. transformers' models are loaded only if some rung parts."""
-    sixteen_bits = dtype in (torch.float16, torch.bfloat16)
-    if sixteen_bits and (model_path is None or prompts is None):
-        raise ValueError("show_live_ladder: in 16 bits it needs model_path and prompts to judge near-ties")
-    judge = None
-    print(f"{'rung':28s} {'tokens':>6s} {'seconds':>8s} {'decode steps':>12s}  same tokens as transformers")
-    for run in runs:
-        if len(run.tokens) != len(expected):
-            raise AssertionError(f"rung {run.label!r}: {len(run.tokens)} requests' tokens for {len(expected)} requests")
-        notes = []
-        for i, (got, want) in enumerate(zip(run.tokens, expected)):
-            at = first_difference(got, want)
-            if at is None:
-                continue
-            differs = f"rung {run.label!r}: request {i}'s tokens {got} against {want}"
-            if not sixteen_bits or at >= min(len(got), len(want)):  # float32, or a different length: no near-tie
-                raise AssertionError(differs)
-            judge = judge or _NearTieJudge(model_path, prompts, dtype)
-            gap, allowed = judge(i, want[:at], got[at], want[at])
-            if gap > allowed:
-                raise AssertionError(f"{differs}: a float64 logit gap of {gap:.3g} at token {at}, more than the "
-                                     f"{allowed:.3g} 16-bit rounding allows")
-            notes.append(f"request {i} parts at token {at}, a near-tie (gap {gap:.3f} <= {allowed:.3f})")
-        print(f"{run.label:28s} {run.output_tokens:6d} {run.seconds:8.2f} {run.decode_steps:12d}  "
-              f"{'yes' if not notes else '; '.join(notes)}")
-        if run.blocks_in_use:
-            raise AssertionError(f"rung {run.label!r}: {run.blocks_in_use} blocks left in use after generate")
-
-
-class _NearTieJudge:
-    """transformers' logits in float64 (the truth) and in the engine's 16-bit dtype for a request's context."""
-
-    def __init__(self, model_path, prompts, dtype):
-        from lessonlib.serving.greedy_parity import _hf_model
-
-        self.tokenizer, self.truth = _hf_model(str(model_path), torch.float64)
-        self.low = _hf_model(str(model_path), dtype)[1]
-        self.prompts, self.dtype = prompts, dtype
-
-    def __call__(self, request: int, generated: list[int], a: int, b: int) -> tuple[float, float]:
-        """(gap, allowed) where request ``request`` parts after ``generated``: :func:`near_tie_gap`."""
-        ids = torch.tensor([self.tokenizer(self.prompts[request]).input_ids + list(generated)],
-                           device=self.truth.device)
-        with torch.inference_mode():
-            return near_tie_gap(self.truth(ids).logits[0, -1], self.low(ids).logits[0, -1], a, b, self.dtype)
