@@ -29,8 +29,9 @@ def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=to
     with torch.inference_mode():
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
+            # attention_mask given: else generate masks a pad token found in the prompt (benchmarks/NOTES.md)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
             continuations.append(out[0, ids.shape[1]:].tolist())
     return continuations
 
