@@ -58,7 +58,8 @@ def main() -> None:
     rng = random.Random(0)
     for length in (100, 256, 257, 1025, 2049):
         prompt = [rng.randrange(1, model.config.vocab_size) for _ in range(length)]
-        for label, ids in (("no pad id", prompt), ("pad id 0 inside", prompt[:length // 2] + [0] + prompt[length // 2 + 1:])):
+        with_pad = prompt[:length // 2] + [0] + prompt[length // 2 + 1:]
+        for label, ids in (("no pad id", prompt), ("pad id 0 inside", with_pad)):
             found = decode_four_ways(model, ids)
             truth = found["full forward, no cache"]
             parts = [f"{name}: {tokens}{'' if tokens == truth else '  <- differs'}" for name, tokens in found.items()]

@@ -3,7 +3,8 @@
 A step's tokens come packed in one (T, hidden) tensor: all prompts' new tokens in a prefill step, one token per
 sequence in a decode step. Per layer::
 
-    add_rms_norm -> qkv GEMM -> [Qwen3: q_norm, k_norm] -> rope_store_kv (q rotated; K rotated and V written into the paged pool)
+    add_rms_norm -> qkv GEMM -> [Qwen3: q_norm, k_norm per head]
+      -> rope_store_kv (q rotated; K rotated and V written into the paged pool)
       -> attention: prefill  flash_attention (nothing cached) or paged_prefill_attention (a cached prefix)
                     decode   paged_attention
     -> o GEMM -> add_rms_norm -> gate_up GEMM -> swiglu -> down GEMM
