@@ -84,17 +84,18 @@ def test_llama3_rope_scaling_is_transformers_formula():
     torch.testing.assert_close(got.float(), want, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
 
 
-def test_a_llama_with_attention_bias_gives_the_full_forward_tokens(tmp_path):
+def test_a_llama_with_attention_bias_and_tied_embeddings_gives_the_full_forward_tokens(tmp_path):
     from transformers import AutoModelForCausalLM
 
     source = tiny_model.build(tmp_path / "plain", architecture="llama", num_layers=1)
     model = AutoModelForCausalLM.from_pretrained(source)
     config = model.config
-    config.attention_bias = True
+    config.attention_bias = config.tie_word_embeddings = True
     torch.manual_seed(random.randrange(1000))
     biased = type(model)(config)
     biased.save_pretrained(tmp_path / "biased")
-    assert json.loads((tmp_path / "biased" / "config.json").read_text())["attention_bias"] is True
+    saved = json.loads((tmp_path / "biased" / "config.json").read_text())
+    assert saved["attention_bias"] is True and saved["tie_word_embeddings"] is True
     serving.check_engine_greedy(engine(tmp_path / "biased", 64, PLAIN_PYTORCH), tmp_path / "biased",
                                 [random_prompt(13)], max_tokens=2)
 
