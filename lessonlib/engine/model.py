@@ -186,13 +186,13 @@ class Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                  features: Features = Features()):
         super().__init__()
+        config.check_max_model_len(max_positions)  # before any weight is allocated
         factory = {"dtype": dtype, "device": device}
         self.config, self.features = config, features
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, features) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size, **factory))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
-        config.check_max_model_len(max_positions)
         # RoPE angles for every position the engine serves, computed once (float64, rounded to the model's dtype),
         # with the checkpoint's scaling (llama3) applied here: the kernels only read these tables.
         angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * config.rope_inverse_frequencies()
