@@ -1,9 +1,10 @@
-"""A tiny Qwen2-architecture (or Llama-architecture) language model, built here with nothing downloaded: a byte-level BPE tokenizer trained
-on a few paragraphs of this course, and random weights saved as safetensors. It loads in vLLM and in Hugging Face
-transformers alike, which is all lesson 06 needs: the text it writes is nonsense, the serving machinery is real.
+"""A tiny Qwen2-architecture (or Llama, Llama 3, Qwen3, Mistral) language model, built here with nothing downloaded:
+a byte-level BPE tokenizer trained on a few paragraphs of this course, and random weights saved as safetensors. It
+loads in vLLM and in Hugging Face transformers alike, which is all lesson 06 needs: the text it writes is nonsense,
+the serving machinery is real.
 
     path = tiny_model.build()          # once; later calls reuse the folder
-    path = tiny_model.build(architecture="llama")   # the same, as a LlamaForCausalLM (lesson 07's engine loads both)
+    path = tiny_model.build(architecture="llama")   # the same, as a LlamaForCausalLM (lesson 07's engine loads all)
     LLM(model=str(path), ...)          # vLLM
     AutoModelForCausalLM.from_pretrained(path)
 """
@@ -35,7 +36,19 @@ The future of AI is open, fast and efficient. Once upon a time there was a small
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
-ARCHITECTURES = ("qwen2", "llama")
+ARCHITECTURES = ("qwen2", "llama", "llama3", "qwen3", "mistral")
+# What each architecture adds to the shared sizes. The three later ones serve 4,096 positions (lesson 07's long
+# prompts) and carry what makes their family different: llama3's RoPE scaling (its original context set short, so
+# that the scaled, interpolated and kept frequencies all occur at the head size of 32), Qwen3's head size other
+# than hidden / heads (64, not 32) with q_norm and k_norm, Mistral with no sliding window (as 7B v0.3).
+FAMILY_SETTINGS = {
+    "qwen2": {}, "llama": {},
+    "llama3": {"max_position_embeddings": 4096,
+               "rope_parameters": {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 256}},
+    "qwen3": {"max_position_embeddings": 4096, "head_dim": 64, "attention_bias": False, "use_sliding_window": False},
+    "mistral": {"max_position_embeddings": 4096, "sliding_window": None},
+}
 
 
 def default_path(architecture: str = "qwen2") -> Path:
@@ -50,11 +63,14 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
     Head size is hidden_size / num_heads (32 by default); num_heads / num_kv_heads is the GQA group (2).
     Weights are drawn with a wider spread than a real initialisation (std 0.2 instead of 0.02) so that the next
     token is decided by clear margins: greedy decoding then means the same thing in every engine and dtype check.
-    ``architecture="llama"`` writes a LlamaForCausalLM of the same sizes (no biases; Qwen2 has biases on q, k, v).
+    ``architecture="llama"`` writes a LlamaForCausalLM of the same sizes (no biases; Qwen2 has biases on q, k, v);
+    "llama3", "qwen3" and "mistral" add what :data:`FAMILY_SETTINGS` says, and RMSNorm weights drawn around 1 instead
+    of all ones, so that a norm weight loaded into the wrong place changes the tokens.
     """
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import PreTrainedTokenizerFast
 
     if architecture not in ARCHITECTURES:
         raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {architecture!r}")
@@ -76,16 +92,21 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
     tokenizer.save_pretrained(path)
 
-    config_class, model_class = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[architecture]
-    config = config_class(
+    name = {"qwen2": "Qwen2", "llama": "Llama", "llama3": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[architecture]
+    settings = {"max_position_embeddings": 2048, **FAMILY_SETTINGS[architecture]}
+    config = getattr(transformers, f"{name}Config")(
         vocab_size=bpe.get_vocab_size(), hidden_size=hidden_size, intermediate_size=4 * hidden_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
-        max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2,
-        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        rms_norm_eps=1e-6, tie_word_embeddings=False, initializer_range=0.2, eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **settings,
     )
     torch.manual_seed(seed)
-    model = model_class(config).to(torch.float32)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).to(torch.float32)
+    if FAMILY_SETTINGS[architecture]:  # the first two keep their all-ones norms: recorded runs stay comparable
+        with torch.no_grad():
+            for key, weight in model.named_parameters():
+                if key.endswith("norm.weight"):
+                    weight.uniform_(0.5, 1.5)
     model.save_pretrained(path, safe_serialization=True)
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": tokenizer.eos_token_id,
                                                              "do_sample": False}))

@@ -1,19 +1,20 @@
 """A small serving engine built from the course's kernels, with vLLM's offline interface (lesson 07).
 
     from lessonlib.engine import LLM, SamplingParams
-    llm = LLM(model=path)                      # a local Llama or Qwen2 checkpoint folder
+    llm = LLM(model=path)                      # a local Llama (3.x), Qwen2, Qwen3 or Mistral checkpoint folder
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
 
 The folder tree is the architecture (nano-vllm's layout):
 
-    config.py          what config.json says, checked (supported architectures, RoPE type)
+    config.py          what config.json says, checked (architectures, RoPE type and llama3 scaling, every field
+                       whose math is not implemented refused by name)
     features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
                        continuous batching): the rungs of lesson 07's tokens/s ladder
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
     scheduler.py       continuous batching: admission, decode, preemption
-    model.py           the decoder on lessonlib.ops kernels; loading safetensors weights
+    model.py           the decoder on lessonlib.ops kernels; loading safetensors weights (matched by name and shape)
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy, temperature, top-p, seeded
     llm.py             LLM: generate(), add_request()/step()

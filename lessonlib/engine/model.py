@@ -1,9 +1,10 @@
-"""The decoder (Llama / Qwen2) over packed tokens, every layer on the course's kernels.
+"""The decoder (Llama, Qwen2, Qwen3, Mistral) over packed tokens, every layer on the course's kernels.
 
 A step's tokens come packed in one (T, hidden) tensor: all prompts' new tokens in a prefill step, one token per
 sequence in a decode step. Per layer::
 
-    add_rms_norm -> qkv GEMM -> rope_store_kv (q rotated; K rotated and V written into the paged pool)
+    add_rms_norm -> qkv GEMM -> [Qwen3: q_norm, k_norm per head]
+      -> rope_store_kv (q rotated; K rotated and V written into the paged pool)
       -> attention: prefill  flash_attention (nothing cached) or paged_prefill_attention (a cached prefix)
                     decode   paged_attention
     -> o GEMM -> add_rms_norm -> gate_up GEMM -> swiglu -> down GEMM
@@ -67,11 +68,14 @@ class EngineLayer(nn.Module):
         h, d = config.hidden_size, config.head_dim
         self.heads, self.kv_heads, self.head_dim, self.eps = config.num_heads, config.num_kv_heads, d, config.rms_norm_eps
         self.qkv_proj = nn.Linear(h, (self.heads + 2 * self.kv_heads) * d, bias=config.attention_bias, **factory)
-        self.o_proj = nn.Linear(self.heads * d, h, bias=False, **factory)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=config.output_bias, **factory)
         self.gate_up_proj = nn.Linear(h, 2 * config.intermediate_size, bias=False, **factory)  # gate rows, then up
         self.down_proj = nn.Linear(config.intermediate_size, h, bias=False, **factory)
         self.input_norm = nn.Parameter(torch.ones(h, **factory))
         self.post_attention_norm = nn.Parameter(torch.ones(h, **factory))
+        # Qwen3: one RMSNorm weight of size head_dim for every head of q, one for every head of k
+        self.q_norm = nn.Parameter(torch.ones(d, **factory)) if config.qk_norm else None
+        self.k_norm = nn.Parameter(torch.ones(d, **factory)) if config.qk_norm else None
 
     def attention(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -79,6 +83,8 @@ class EngineLayer(nn.Module):
         tokens, d = x.shape[0], self.head_dim
         qkv = project(x, self.qkv_proj, self.features)
         fast = self.features
+        if self.q_norm is not None:
+            self._normalize_heads(qkv)
         heads = {"num_heads": self.heads, "num_kv_heads": self.kv_heads}
         if fast.fused_ops:  # one launch: q rotated (returned), k rotated and v written into the pool at the slots
             q = ops.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, **heads,
@@ -101,6 +107,15 @@ class EngineLayer(nn.Module):
             v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)
             out = self._flash_prefill(q, k, v, ctx.flash_groups)
         return project(out.reshape(tokens, self.heads * d), self.o_proj, self.features)
+
+    def _normalize_heads(self, qkv: torch.Tensor) -> None:
+        """Qwen3's q_norm and k_norm, in place on qkv's q and k columns: RMSNorm over each head's head_dim values,
+        before RoPE. add_rms_norm with a zero residual is that RMSNorm (x + 0 is x exactly): no kernel of its own."""
+        norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm
+        q_cols, k_cols = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        for cols, weight in ((slice(0, q_cols), self.q_norm), (slice(q_cols, q_cols + k_cols), self.k_norm)):
+            heads = qkv[:, cols].reshape(-1, self.head_dim)  # (T * heads, D), a copy
+            qkv[:, cols] = norm(heads, torch.zeros_like(heads), weight, self.eps)[0].view(qkv.shape[0], -1)
 
     def _flash_prefill(self, q, k, v, groups) -> torch.Tensor:
         """Prompts with nothing cached: causal flash_attention on their own fresh K/V, one call per prompt length."""
@@ -171,15 +186,18 @@ class Model(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int,
                  features: Features = Features()):
         super().__init__()
+        config.check_max_model_len(max_positions)  # before any weight is allocated
         factory = {"dtype": dtype, "device": device}
         self.config, self.features = config, features
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
         self.layers = nn.ModuleList(EngineLayer(config, dtype, device, features) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size, **factory))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
-        # RoPE angles for every position the engine serves, computed once (float64, rounded to the model's dtype).
-        cos, sin = reference.rope_cos_sin(torch.arange(max_positions, device=device), config.head_dim,
-                                          config.rope_theta, dtype=dtype)
+        # RoPE angles for every position the engine serves, computed once (float64, rounded to the model's dtype),
+        # with the checkpoint's scaling (llama3) applied here: the kernels only read these tables.
+        angles = torch.arange(max_positions, dtype=torch.float64)[:, None] * config.rope_inverse_frequencies()
+        angles = torch.cat((angles, angles), dim=-1).to(device)  # (positions, D): both halves share a frequency
+        cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         self.requires_grad_(False)  # a serving model: no autograd graph, and the inference-only ops accept its weights
@@ -204,7 +222,8 @@ class Model(nn.Module):
     @torch.no_grad()
     def load_weights(self, path: str | Path) -> None:
         """Copy a Hugging Face checkpoint's tensors (safetensors, one file or sharded) into this model, fusing
-        q/k/v and gate/up into one matrix each. Every parameter must be covered exactly once."""
+        q/k/v and gate/up into one matrix each. Every tensor is matched by name and shape before any is copied:
+        unexpected, missing or mis-shaped tensors are refused together, in one ValueError that lists them."""
         from safetensors import safe_open
 
         path = Path(path)
@@ -213,61 +232,66 @@ class Model(nn.Module):
             [p.name for p in sorted(path.glob("*.safetensors"))]
         if not files:
             raise FileNotFoundError(f"{path}: no *.safetensors weights")
-        loaded: set[str] = set()
+        targets = self.checkpoint_targets()
+        shapes = {}
+        for name in files:
+            with safe_open(str(path / name), framework="pt") as f:
+                shapes.update((key, tuple(f.get_slice(key).get_shape())) for key in f.keys())
+        if self.config.tie_word_embeddings:  # a saved copy of the tied head: transformers ties it to the embedding
+            shapes.pop("lm_head.weight", None)
+        check_checkpoint(path, shapes, {key: tuple(param[rows].shape) for key, (param, rows) in targets.items()})
         for name in files:
             with safe_open(str(path / name), framework="pt") as f:
                 for key in f.keys():
-                    target = self._target(key)
-                    if target is None:
-                        continue
-                    param, rows = target
-                    tensor = f.get_tensor(key)
-                    (param if rows is None else param[rows]).copy_(tensor)
-                    loaded.add(key)
-        if self.config.tie_word_embeddings and "lm_head.weight" not in loaded:
+                    if key in targets:
+                        param, rows = targets[key]
+                        param[rows].copy_(f.get_tensor(key))  # shapes checked above: no silent broadcast
+        if self.config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-            loaded.add("lm_head.weight")
-        missing = sorted(set(self._expected_keys()) - loaded)
-        if missing:
-            raise ValueError(f"{path}: checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}")
 
-    def _expected_keys(self):
-        yield from ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight")
-        for i in range(self.config.num_layers):
+    def checkpoint_targets(self) -> dict[str, tuple[torch.Tensor, slice]]:
+        """Each checkpoint tensor's name -> the parameter it goes to and the rows it fills (fused matrices hold
+        q, k, v and gate, up one after the other; ``slice(None)``: all of it)."""
+        c, everything = self.config, slice(None)
+        targets = {"model.embed_tokens.weight": (self.embed_tokens.weight, everything),
+                   "model.norm.weight": (self.norm, everything)}
+        if not c.tie_word_embeddings:
+            targets["lm_head.weight"] = (self.lm_head.weight, everything)
+        q_rows, kv_rows, inter = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.intermediate_size
+        for i, layer in enumerate(self.layers):
             base = f"model.layers.{i}."
-            yield from (base + n for n in ("input_layernorm.weight", "post_attention_layernorm.weight",
-                                           "self_attn.o_proj.weight", "mlp.down_proj.weight")
-                        + tuple(f"self_attn.{p}_proj.weight" for p in "qkv") + ("mlp.gate_proj.weight", "mlp.up_proj.weight"))
-            if self.config.attention_bias:
-                yield from (base + f"self_attn.{p}_proj.bias" for p in "qkv")
+            fused = {"self_attn.q_proj": (layer.qkv_proj, slice(0, q_rows)),
+                     "self_attn.k_proj": (layer.qkv_proj, slice(q_rows, q_rows + kv_rows)),
+                     "self_attn.v_proj": (layer.qkv_proj, slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
+                     "self_attn.o_proj": (layer.o_proj, everything),
+                     "mlp.gate_proj": (layer.gate_up_proj, slice(0, inter)),
+                     "mlp.up_proj": (layer.gate_up_proj, slice(inter, 2 * inter)),
+                     "mlp.down_proj": (layer.down_proj, everything)}
+            for module, (linear, rows) in fused.items():
+                targets[base + module + ".weight"] = (linear.weight, rows)
+                if linear.bias is not None:
+                    targets[base + module + ".bias"] = (linear.bias, rows)
+            norms = {"input_layernorm": layer.input_norm, "post_attention_layernorm": layer.post_attention_norm,
+                     "self_attn.q_norm": layer.q_norm, "self_attn.k_norm": layer.k_norm}
+            targets.update((base + name + ".weight", (weight, everything)) for name, weight in norms.items()
+                           if weight is not None)
+        return targets
 
-    def _target(self, key: str):
-        """The parameter (and row range, for fused matrices) a checkpoint tensor goes to; None to skip it."""
-        c = self.config
-        if key == "model.embed_tokens.weight":
-            return self.embed_tokens.weight, None
-        if key == "model.norm.weight":
-            return self.norm, None
-        if key == "lm_head.weight":
-            return self.lm_head.weight, None
-        if not key.startswith("model.layers."):
-            return None  # e.g. rotary_emb.inv_freq in old checkpoints: recomputed here
-        index, rest = key[len("model.layers."):].split(".", 1)
-        layer = self.layers[int(index)]
-        q_rows, kv_rows = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        fused = {"self_attn.q_proj": (layer.qkv_proj, slice(0, q_rows)),
-                 "self_attn.k_proj": (layer.qkv_proj, slice(q_rows, q_rows + kv_rows)),
-                 "self_attn.v_proj": (layer.qkv_proj, slice(q_rows + kv_rows, q_rows + 2 * kv_rows)),
-                 "mlp.gate_proj": (layer.gate_up_proj, slice(0, c.intermediate_size)),
-                 "mlp.up_proj": (layer.gate_up_proj, slice(c.intermediate_size, 2 * c.intermediate_size))}
-        module, kind = rest.rsplit(".", 1)
-        if module in fused:
-            linear, rows = fused[module]
-            return getattr(linear, kind), rows
-        simple = {"self_attn.o_proj": layer.o_proj, "mlp.down_proj": layer.down_proj}
-        if module in simple:
-            return getattr(simple[module], kind), None
-        norms = {"input_layernorm": layer.input_norm, "post_attention_layernorm": layer.post_attention_norm}
-        if module in norms and kind == "weight":
-            return norms[module], None
-        return None
+
+# Checkpoint tensors the engine recomputes: old checkpoints' RoPE frequencies.
+IGNORED_TENSORS = ("rotary_emb.inv_freq",)
+
+
+def check_checkpoint(path: Path, found: dict[str, tuple], expected: dict[str, tuple]) -> None:
+    """One ValueError listing every unexpected, missing and mis-shaped tensor of a checkpoint. found, expected:
+    tensor name -> shape."""
+    unexpected = [k for k in found if k not in expected and not k.endswith(IGNORED_TENSORS)]
+    missing = [k for k in expected if k not in found]
+    misshaped = [f"{k} {list(found[k])} (the model's: {list(shape)})" for k, shape in expected.items()
+                 if k in found and tuple(found[k]) != shape]
+    problems = [f"{len(names)} {what}: {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}"
+                for what, names in (("unexpected tensors", unexpected), ("missing tensors", missing),
+                                    ("mis-shaped tensors", misshaped)) if names]
+    if problems:
+        raise ValueError(f"{path}: the checkpoint does not match the model its config.json describes: "
+                         + "; ".join(problems))

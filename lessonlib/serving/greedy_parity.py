@@ -1,5 +1,6 @@
 """Greedy parity: vLLM's greedy tokens against Hugging Face transformers' ``generate`` on the same model and dtype,
-and, where they part, how close the call was (a near-tie of the two best logits)."""
+and, where they part, how close the call was (a near-tie of the two best logits); lesson 07's engine against
+transformers' full forward (no KV cache), the oracle that long prompts need."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=to
     with torch.inference_mode():
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-            out = model.generate(ids, max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
-                                 pad_token_id=tokenizer.pad_token_id)
+            # attention_mask given: else generate masks a pad token found in the prompt (benchmarks/NOTES.md)
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
+                                 eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
             continuations.append(out[0, ids.shape[1]:].tolist())
     return continuations
 
@@ -111,3 +113,42 @@ def greedy_divergence(llm, prompts: Sequence[str], max_tokens: int = 48) -> list
         found.append(Divergence(prompt, position, a[position], b[position], float(top2[0] - top2[1]),
                                 float(logits.abs().max())))
     return found
+
+
+def full_forward_greedy(model_path, prompts: Sequence[Sequence[int]], max_tokens: int,
+                        dtype: torch.dtype = torch.float64) -> list[list[int]]:
+    """transformers' greedy continuations of token-id prompts with no KV cache: one forward of the whole sequence
+    per new token, the argmax of its last position's logits, on the CPU (float64 by default: the truth). The
+    oracle for an engine: ``generate``, with its KV cache and an attention mask it infers from pad tokens found in
+    the prompt, can part from its own model's forward (benchmarks/NOTES.md, "generate is not the oracle")."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
+    continuations = []
+    with torch.inference_mode():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([ids]), use_cache=False).logits[0, -1]
+                ids.append(int(logits.argmax()))
+            continuations.append(ids[len(prompt):])
+    return continuations
+
+
+def check_engine_greedy(llm, model_path, prompts: Sequence[Sequence[int]], max_tokens: int) -> list[list[int]]:
+    """Lesson 07's engine (``lessonlib.engine.LLM``) against :func:`full_forward_greedy` on the same checkpoint:
+    the engine's greedy tokens must equal transformers' full-forward tokens, token for token. Raises
+    AssertionError at the first difference; returns the tokens."""
+    from lessonlib.engine import SamplingParams
+
+    outs = llm.generate([list(p) for p in prompts], SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                  ignore_eos=True))
+    ours = [list(out.outputs[0].token_ids) for out in outs]
+    theirs = full_forward_greedy(model_path, prompts, max_tokens)
+    for prompt, a, b in zip(prompts, ours, theirs):
+        position = first_difference(a, b)
+        if position is not None:
+            raise AssertionError(f"prompt of {len(prompt)} tokens: the engine and transformers' full forward part "
+                                 f"at generated token {position}: {a[position:position + 4]} vs "
+                                 f"{b[position:position + 4]}")
+    return ours
