@@ -183,7 +183,8 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         # All checked before any is added. The n samples of a prompt are n sequences with the same prompt: admitted
         # together, all but the first find its full prompt blocks in the prefix cache and share them.
-        groups = [[self.make_sequence(p, sp) for _ in range(getattr(sp, "n", 1))] for p, sp in zip(prompts, params)]
+        groups = [[self.make_sequence(p, sp) for _ in range(getattr(sp, "n", 1))]  # (not a SamplingParams: refused)
+                  for p, sp in zip(prompts, params)]
         if self.has_unfinished_requests():
             raise RuntimeError("requests added with add_request() are still running: step() them to completion")
         self.steps = []
@@ -327,7 +328,7 @@ class LLM:
         """Why a sequence whose token at ``length - 1`` is ``token`` ends there, if it does."""
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
-        if token != PENDING:
+        if token != PENDING and (seq.params.stop or seq.params.stop_token_ids):  # (a plain request: no slicing)
             seq.stop_reason = stop_reason(self.tokenizer, seq.params, seq.token_ids[seq.num_prompt_tokens:length])
             if seq.stop_reason is not None:
                 return "stop"

@@ -105,8 +105,9 @@ class Sampler:
             tokens[~torch.isfinite(logits).all(dim=-1)] = ABORTED
         if sampled:
             probs = sampling_probs(logits[torch.tensor(sampled, device=logits.device)], [params[i] for i in sampled])
-            finite = torch.isfinite(probs).all(dim=-1).tolist()
+            finite = torch.isfinite(probs).all(dim=-1)  # decided on the device: the host does not wait here
+            probs = torch.where(finite[:, None], probs, 1.0)  # (a drawable stand-in, replaced by ABORTED below)
             for row, i in enumerate(sampled):
-                tokens[i] = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0] \
-                    if finite[row] else ABORTED
+                drawn = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0]
+                tokens[i] = torch.where(finite[row], drawn, ABORTED)
         return tokens

@@ -57,7 +57,8 @@ class SamplingParams:
         if self.logprobs is not None:
             _check_int("logprobs", self.logprobs, low=0)
         stop = [self.stop] if isinstance(self.stop, str) else self.stop
-        if stop is not None and (not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop)):
+        if stop is not None and (not isinstance(stop, (list, tuple))
+                                 or not all(isinstance(s, str) and s for s in stop)):
             raise TypeError(f"stop must be a non-empty str or a list of them, got {self.stop!r}")
         ids = self.stop_token_ids
         if ids is not None and (not isinstance(ids, (list, tuple)) or
