@@ -5,6 +5,7 @@ the interpreter a step of the tiny model costs about a second, so the cases shar
 
 import dataclasses
 import random
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ import torch
 from lessonlib import ops, runtime, tiny_model
 from lessonlib.engine import LLM, SamplingParams, min_p_filter, top_k_filter
 from lessonlib.engine import llm as llm_module
+from lessonlib.engine.chat import chat_prompts
 from lessonlib.engine.sampler import Sampler
 from lessonlib.kv_cache import _chain
 from lessonlib.testing import check_close
@@ -192,6 +194,8 @@ def test_chat_applies_the_chat_template(llm):
     assert len(out.outputs[0].token_ids) == 1
     with pytest.raises(ValueError, match="role"):
         llm.chat([{"content": "no role"}], greedy(1), chat_template=tiny_model.CHAT_TEMPLATE)
+    with pytest.raises(ValueError, match="no chat template"):
+        chat_prompts(SimpleNamespace(chat_template=None), messages, None, True)
     assert not llm.has_unfinished_requests()
 
 

@@ -17,6 +17,7 @@ The folder tree is the architecture (nano-vllm's layout):
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy; temperature, min-p, top-k, top-p, seeded; NaN/inf rows refused; logprobs
     outputs.py         finished sequences to RequestOutputs: stop strings on the text, logprobs, n samples
+    chat.py            LLM.chat: conversations rendered with the chat template
     checks.py          check_kernels=True: block tables and slots checked before each step's kernels
     llm.py             LLM: generate(), chat(), add_request()/step()
 """

@@ -26,6 +26,7 @@ import torch
 
 from lessonlib import runtime
 from lessonlib.engine.block_manager import BlockManager
+from lessonlib.engine.chat import chat_prompts
 from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
@@ -201,21 +202,7 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, each rendered
         with the tokenizer's chat template (or ``chat_template``) and generated from."""
-        if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer: this checkpoint has none")
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("chat needs a conversation (a non-empty list of messages) or a list of them")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError("the tokenizer has no chat template: pass chat_template=...")
-        prompts = []
-        for conversation in conversations:
-            if not all(isinstance(m, dict) and {"role", "content"} <= m.keys() for m in conversation):
-                raise ValueError("a message is a dict with 'role' and 'content'")
-            text = self.tokenizer.apply_chat_template(conversation, chat_template=chat_template, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
-            ids = self.tokenizer.encode(text, add_special_tokens=False)  # the template wrote the special tokens
-            prompts.append({"prompt_token_ids": ids, "prompt": text})
+        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt)
         return self.generate(prompts, sampling_params)
 
     def step(self) -> list[Sequence]:
