@@ -1,8 +1,10 @@
 """``LLM``: vLLM's offline interface over the engine's parts (scheduler, block manager, model runner, sampler).
 
-    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features())
+    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features(),
+              check_kernels=False)  # True: eager, each step's block tables checked first (engine/checks.py)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
+    outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # the tokenizer's chat template
 
 Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
 any error the engine is empty and ready for the next call.
@@ -27,11 +29,11 @@ import torch
 from lessonlib import runtime
 from lessonlib.engine.block_manager import BlockManager
 from lessonlib.engine.chat import chat_prompts
+from lessonlib.engine.checks import check_step
 from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
-from lessonlib.engine.checks import check_step
 from lessonlib.engine.outputs import request_output, stop_reason
 from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
 from lessonlib.engine.scheduler import Scheduler
