@@ -34,6 +34,9 @@ The future of AI is open, fast and efficient. Once upon a time there was a small
 """
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# ChatML, the format of Qwen2's template, on the special tokens above (for LLM.chat).
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
 ARCHITECTURES = ("qwen2", "llama", "llama3", "qwen3", "mistral")
@@ -90,6 +93,7 @@ def build(path: str | Path | None = None, *, vocab_size: int = 512, hidden_size:
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     bpe.train_from_iterator([CORPUS], trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(path)
 
     name = {"qwen2": "Qwen2", "llama": "Llama", "llama3": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[architecture]

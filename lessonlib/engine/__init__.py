@@ -16,8 +16,11 @@ The folder tree is the architecture (nano-vllm's layout):
     scheduler.py       continuous batching: admission, decode, preemption
     model.py           the decoder on lessonlib.ops kernels; loading safetensors weights (matched by name and shape)
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
-    sampler.py         greedy, temperature, top-p, seeded
-    llm.py             LLM: generate(), add_request()/step()
+    sampler.py         greedy; temperature, min-p, top-k, top-p, seeded; NaN/inf rows refused; logprobs
+    outputs.py         finished sequences to RequestOutputs: stop strings on the text, logprobs, n samples
+    chat.py            LLM.chat: conversations rendered with the chat template
+    checks.py          check_kernels=True: block tables and slots checked before each step's kernels
+    llm.py             LLM: generate(), chat(), add_request()/step()
 
 The engine alone: what lesson 07 runs on it (the tokens/s ladder, the scheduler simulation, the live checks) is in
 ``lessonlib.cases.serving_engine``, what it draws in ``lessonlib.plots.serving_engine``. Nothing here imports
@@ -27,9 +30,9 @@ The engine alone: what lesson 07 runs on it (the tokens/s ladder, the scheduler 
 from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.llm import LLM, StepRecord
-from lessonlib.engine.sampler import top_p_filter
+from lessonlib.engine.sampler import min_p_filter, top_k_filter, top_p_filter
 from lessonlib.engine.scheduler import can_admit
-from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
+from lessonlib.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "Features", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
-           "StepRecord", "top_p_filter", "can_admit"]
+           "StepRecord", "top_p_filter", "top_k_filter", "min_p_filter", "can_admit", "Logprob"]

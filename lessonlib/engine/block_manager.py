@@ -106,10 +106,18 @@ class BlockManager:
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks (finished, or preempted); full ones stay prefix-cached until reused."""
         for block in reversed(seq.block_table):  # last blocks first: the free list hands out the oldest first,
-            self.allocator.release(block)  # so a shared prefix's first blocks are the last to be overwritten
+            if 0 <= block < self.num_blocks:  # (not so in a table that LLM(check_kernels=True) refused)
+                self.allocator.release(block)  # so a shared prefix's first blocks are the last to be overwritten
         seq.block_table = []
         seq.num_cached_tokens = 0
         self._digests.pop(seq.seq_id, None)
+
+    def forget_blocks_of(self, seq: Sequence) -> None:
+        """Take out of the prefix cache the blocks only ``seq`` holds (its K/V are not to be trusted: its step gave
+        NaN/inf probabilities); blocks other sequences share, and every other entry, stay cached."""
+        for block in seq.block_table:
+            if self.allocator.ref_counts[block] == 1 and block in self.allocator.hash_of:
+                self.allocator.block_with.pop(self.allocator.hash_of.pop(block), None)
 
     def forget_prefix_cache(self) -> None:
         """Drop every prefix-cache entry (after a failed step, whose blocks may hold half-written K/V)."""

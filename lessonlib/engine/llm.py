@@ -1,8 +1,10 @@
 """``LLM``: vLLM's offline interface over the engine's parts (scheduler, block manager, model runner, sampler).
 
-    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features())
+    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features(),
+              check_kernels=False)  # True: eager, each step's block tables checked first (engine/checks.py)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
+    outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # the tokenizer's chat template
 
 Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
 any error the engine is empty and ready for the next call.
@@ -26,19 +28,23 @@ import torch
 
 from lessonlib import runtime
 from lessonlib.engine.block_manager import BlockManager
+from lessonlib.engine.chat import chat_prompts
+from lessonlib.engine.checks import check_step
 from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
-from lessonlib.engine.sampler import Sampler
+from lessonlib.engine.outputs import request_output, stop_reason
+from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
 from lessonlib.engine.scheduler import Scheduler
-from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
+from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 
 CPU_POOL_BYTES = 64 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
 GPU_POOL_SHARE = 0.8  # default KV pool on a GPU: this share of the memory budget left after the weights
 
 
 PENDING = -1  # a token the GPU has computed (or is computing) that has not reached the host yet
+MAX_STEP_RECORDS = 100_000  # llm.steps keeps the latest ones: an add_request/step loop that runs for days stays bounded
 
 
 @dataclass
@@ -74,13 +80,17 @@ class LLM:
     def __init__(self, model: str | Path, dtype: torch.dtype | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_model_len: int | None = None, num_blocks: int | None = None,
                  max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
-                 features: Features | None = None):
+                 features: Features | None = None, check_kernels: bool = False):
         path = Path(model)
+        for name, value in (("max_model_len", max_model_len), ("num_blocks", num_blocks)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1 (or None: the default), got {value!r}")
         if features is not None and not isinstance(features, Features):
             raise TypeError(f"features must be a lessonlib.engine.Features, got {type(features).__name__}")
         features = features or Features()
-        if enforce_eager:  # vLLM's switch, kept: no CUDA graphs
+        if enforce_eager or check_kernels:  # vLLM's switch, kept: no CUDA graphs (check_kernels: see checks.py)
             features = replace(features, cuda_graphs=False)
+        self.check_kernels = bool(check_kernels)
         self.config = config = ModelConfig.from_folder(path)
         self.dtype = dtype = resolve_dtype(dtype)
         if not isinstance(block_size, int) or block_size < 16 or block_size & (block_size - 1):
@@ -128,7 +138,7 @@ class LLM:
         changes here."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text = None
+        text = prompt.get("prompt") if isinstance(prompt, dict) else None  # LLM.chat's rendered text
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint has no tokenizer: pass token ids ({'prompt_token_ids': [...]})")
@@ -152,6 +162,8 @@ class LLM:
 
     def add_request(self, prompt, params: SamplingParams) -> Sequence:
         seq = self.make_sequence(prompt, params)
+        if params.n != 1:
+            raise ValueError(f"add_request runs one sample (n=1), got n={params.n}: use generate() for n > 1")
         self.sampler.start(seq.seq_id, params.seed)
         self.scheduler.add(seq)
         return seq
@@ -172,16 +184,28 @@ class LLM:
         params = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
-        seqs = [self.make_sequence(p, sp) for p, sp in zip(prompts, params)]  # all checked before any is added
+        # All checked before any is added. The n samples of a prompt are n sequences with the same prompt: admitted
+        # together, all but the first find its full prompt blocks in the prefix cache and share them.
+        groups = [[self.make_sequence(p, sp) for _ in range(getattr(sp, "n", 1))]  # (not a SamplingParams: refused)
+                  for p, sp in zip(prompts, params)]
         if self.has_unfinished_requests():
             raise RuntimeError("requests added with add_request() are still running: step() them to completion")
         self.steps = []
-        for seq in seqs:
-            self.sampler.start(seq.seq_id, seq.params.seed)
-            self.scheduler.add(seq)
+        for group in groups:
+            for i, seq in enumerate(group):
+                seed = seq.params.seed
+                self.sampler.start(seq.seq_id, seed if seed is None or i == 0 else (seed + i) % 2**64)
+                self.scheduler.add(seq)
         while self.has_unfinished_requests():
             self.step()
-        return [self.output(seq) for seq in seqs]
+        return [request_output(self.tokenizer, group) for group in groups]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, each rendered
+        with the tokenizer's chat template (or ``chat_template``) and generated from."""
+        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt)
+        return self.generate(prompts, sampling_params)
 
     def step(self) -> list[Sequence]:
         """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. With
@@ -218,13 +242,16 @@ class LLM:
         """Run the step's model and sampler (queued on the GPU), start its tokens' copy to the host, and give each
         sequence a placeholder for its new token."""
         started = time.perf_counter()
+        if self.check_kernels:
+            check_step(seqs, list(self.scheduler.running), self.block_manager, is_prefill)
         if is_prefill:
             out = self.runner.prefill(seqs)
         else:
             rows = {seq.seq_id: row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
             out = self.runner.decode(seqs, [rows[s.seq_id] if s.token_ids[-1] == PENDING else None for s in seqs])
-        tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params.temperature for s in seqs],
-                              [s.params.top_p for s in seqs], greedy=out.greedy)
+        tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params for s in seqs], greedy=out.greedy,
+                              check_all=self.check_kernels)
+        self._keep_logprobs(seqs, out.logits, tokens)
         cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
         new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
         for seq in seqs:
@@ -237,11 +264,21 @@ class LLM:
         return Launched(seqs, is_prefill, self.runner.host_tokens.send(tokens), [len(s) - 1 for s in seqs],
                         new_tokens, cached, started, record)
 
+    def _keep_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The logprobs of the step's new tokens, for the sequences that ask (the host waits for their tokens)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
+        if not rows:
+            return
+        chosen = tokens[rows].tolist()
+        entries = top_logprobs(logits[rows], [max(t, 0) for t in chosen], [seqs[i].params.logprobs for i in rows])
+        for i, token, entry in zip(rows, chosen, entries):
+            seqs[i].logprobs = (seqs[i].logprobs or []) + ([entry] if token != ABORTED else [])
+
     def _may_leave_running(self, launched: Launched) -> bool:
         """A step may run on while the next is scheduled when that step could take its tokens on the GPU: a decode
-        step of greedy requests (a sampled token is drawn outside the captured step)."""
-        return (self.features.async_scheduling and not launched.is_prefill
-                and all(seq.params.temperature == 0 for seq in launched.seqs))
+        step of greedy requests (a sampled token is drawn outside the captured step) that want no logprobs."""
+        return (self.features.async_scheduling and not launched.is_prefill and not self.check_kernels
+                and all(seq.params.greedy and seq.params.logprobs is None for seq in launched.seqs))
 
     def _complete(self, launched: Launched) -> list[Sequence]:
         """Wait for a step's tokens, put them in place of its placeholders, retire the sequences that end, and
@@ -250,6 +287,13 @@ class LLM:
         finished = []
         for seq, token, index in zip(launched.seqs, tokens, launched.token_index):
             if seq.status is not Status.RUNNING:  # it ended at the step before, which this one was launched behind
+                continue
+            if token == ABORTED:  # its probabilities were NaN/inf: it ends alone, its unshared blocks uncached
+                del seq.token_ids[index:]
+                self.block_manager.forget_blocks_of(seq)
+                self.scheduler.finish(seq, "abort")
+                self.sampler.forget(seq.seq_id)
+                finished.append(seq)
                 continue
             seq.token_ids[index] = token
             if not launched.is_prefill:
@@ -261,6 +305,7 @@ class LLM:
                 self.sampler.forget(seq.seq_id)
                 finished.append(seq)
         now = time.perf_counter()
+        del self.steps[:len(self.steps) - MAX_STEP_RECORDS + 1]
         self.steps.append(StepRecord(
             "prefill" if launched.is_prefill else "decode", len(launched.seqs), launched.new_tokens, launched.cached,
             **launched.record, preemptions=self.scheduler.num_preemptions,
@@ -272,6 +317,10 @@ class LLM:
         """Why a sequence whose token at ``length - 1`` is ``token`` ends there, if it does."""
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
+        if token != PENDING and (seq.params.stop or seq.params.stop_token_ids):  # (a plain request: no slicing)
+            seq.stop_reason = stop_reason(self.tokenizer, seq.params, seq.token_ids[seq.num_prompt_tokens:length])
+            if seq.stop_reason is not None:
+                return "stop"
         if length - seq.num_prompt_tokens >= seq.params.max_tokens or length >= self.max_model_len:
             return "length"
         return None
@@ -283,11 +332,7 @@ class LLM:
     def output(self, seq: Sequence) -> RequestOutput:
         if seq.status is not Status.FINISHED:
             raise RuntimeError(f"request {seq.seq_id} has not finished")
-        ids = seq.output_token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else None
-        return RequestOutput(seq.seq_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens],
-                             [CompletionOutput(0, text, list(ids), seq.finish_reason)],
-                             num_cached_tokens=seq.num_prompt_cached_tokens, num_preemptions=seq.num_preemptions)
+        return request_output(self.tokenizer, [seq])
 
     # --- state, for tests and the lesson -----------------------------------------------------------------------
     def num_blocks_in_use(self) -> int:

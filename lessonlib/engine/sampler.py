@@ -1,8 +1,14 @@
-"""From logits to the next token: greedy, temperature, top-p (nucleus) sampling, reproducible with a seed."""
+"""From logits to the next token: greedy, or sampled with temperature, min-p, top-k and top-p (vLLM's order),
+reproducible with a seed; a row whose probabilities are not finite is refused (ABORTED), not sampled; the logprobs a
+request asks for."""
 
 from __future__ import annotations
 
 import torch
+
+from lessonlib.engine.sequence import Logprob, SamplingParams
+
+ABORTED = -2  # the token of a row whose probabilities were NaN or inf: its request ends alone, with "abort"
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -18,6 +24,52 @@ def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
     kept = torch.where(keep, probs, 0.0)
     return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def min_p_filter(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """vLLM's min-p: zero, in each row, the tokens whose probability is below min_p times the row's largest (the
+    most likely token always stays); renormalise. probs: (B, V) float32; min_p: (B,), 0 keeps every token."""
+    kept = torch.where(probs >= min_p[:, None] * probs.amax(dim=-1, keepdim=True), probs, 0.0)
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep, in each row, the logits at least as large as its k-th largest (ties at the boundary kept), the rest
+    -inf. logits: (B, V); top_k: (B,) int64, 0 or -1 keeps every token."""
+    vocab = logits.shape[-1]
+    k = torch.where(top_k < 1, vocab, top_k.clamp(max=vocab))
+    kth = logits.sort(dim=-1, descending=True).values.gather(-1, (k - 1)[:, None])
+    return torch.where(logits >= kth, logits, float("-inf"))
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution each row is drawn from: temperature, then min-p, top-k and top-p. logits: (B, V) float32."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)
+    logits = logits / temperature[:, None]
+    if any(p.min_p > 0 for p in params):
+        probs = min_p_filter(torch.softmax(logits, dim=-1), torch.tensor([p.min_p for p in params], device=device))
+        logits = torch.where(probs > 0, logits, float("-inf"))
+    if any(p.top_k > 0 for p in params):
+        logits = top_k_filter(logits, torch.tensor([p.top_k for p in params], device=device))
+    return top_p_filter(torch.softmax(logits, dim=-1), torch.tensor([p.top_p for p in params], device=device))
+
+
+def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[dict[int, Logprob]]:
+    """For each row: the chosen token's log-probability and rank, and the ``counts[row]`` most likely tokens'
+    (vLLM's raw logprobs: log_softmax of the model's logits, before temperature and filters). logits: (B, V)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    chosen = torch.tensor(tokens, device=logits.device)[:, None]
+    chosen_lp = logprobs.gather(-1, chosen)
+    ranks = (logprobs > chosen_lp).sum(dim=-1) + 1
+    best_lp, best = logprobs.topk(max(counts), dim=-1) if max(counts) else (logprobs[:, :0], chosen[:, :0])
+    rows = []
+    for row, (token, count) in enumerate(zip(tokens, counts)):
+        entry = {token: Logprob(float(chosen_lp[row, 0]), int(ranks[row]))}
+        for rank, (t, lp) in enumerate(zip(best[row, :count].tolist(), best_lp[row, :count].tolist()), start=1):
+            entry.setdefault(t, Logprob(lp, rank))
+        rows.append(entry)
+    return rows
 
 
 class Sampler:
@@ -39,20 +91,23 @@ class Sampler:
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
 
-    def __call__(self, logits: torch.Tensor, seq_ids: list[int], temperatures: list[float],
-                 top_ps: list[float], greedy: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
+                 greedy: torch.Tensor | None = None, check_all: bool = False) -> torch.Tensor:
         """logits: (B, V) float32; greedy: (B,) each row's argmax if the step computed it already (the engine's
         runner does, on the GPU). Returns the B token ids as a (B,) int64 tensor on the logits' device: a greedy
-        batch is sampled without the host waiting for the GPU."""
+        batch is sampled without the host waiting for the GPU (and its logits are not checked, unless
+        ``check_all``). A sampled row whose probabilities are not finite gets ABORTED instead of a token."""
         tokens = logits.argmax(dim=-1) if greedy is None else greedy
-        sampled = [i for i, t in enumerate(temperatures) if t > 0]
-        if sampled:  # sampled rows overwrite their greedy token (in a copy: greedy may be a graph's output)
+        sampled = [i for i, p in enumerate(params) if not p.greedy]
+        if sampled or check_all:  # rows overwrite their greedy token (in a copy: greedy may be a graph's output)
             tokens = tokens.clone()
-            rows = torch.tensor(sampled, device=logits.device)
-            temperature = torch.tensor([temperatures[i] for i in sampled], device=logits.device)
-            top_p = torch.tensor([top_ps[i] for i in sampled], device=logits.device)
-            probs = torch.softmax(logits[rows] / temperature[:, None], dim=-1)
-            probs = top_p_filter(probs, top_p)
+        if check_all:
+            tokens[~torch.isfinite(logits).all(dim=-1)] = ABORTED
+        if sampled:
+            probs = sampling_probs(logits[torch.tensor(sampled, device=logits.device)], [params[i] for i in sampled])
+            finite = torch.isfinite(probs).all(dim=-1)  # decided on the device: the host does not wait here
+            probs = torch.where(finite[:, None], probs, 1.0)  # (a drawable stand-in, replaced by ABORTED below)
             for row, i in enumerate(sampled):
-                tokens[i] = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0]
+                drawn = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0]
+                tokens[i] = torch.where(finite[row], drawn, ABORTED)
         return tokens

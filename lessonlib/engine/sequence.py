@@ -5,28 +5,81 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
+
+
+SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy decoding (dividing by it would overflow)
+SEED_RANGE = (-2**63, 2**64 - 1)  # what torch.Generator.manual_seed accepts
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 is greedy; top_p keeps the smallest set of most likely tokens whose probabilities sum to at
-    least top_p; ``seed`` makes sampling reproducible (each request gets its own generator seeded with it);
-    generation stops at an end-of-sequence token (unless ``ignore_eos``) or after ``max_tokens`` tokens."""
+    """vLLM's names and rules. temperature below 1e-5 (0 included) is greedy; top_k keeps the k most likely tokens
+    (0 or -1: all); min_p drops tokens less likely than min_p times the most likely one; top_p keeps the smallest
+    set of most likely tokens whose probabilities sum to at least top_p (applied in vLLM's order: temperature, min_p,
+    top_k, top_p). ``seed`` makes sampling reproducible (each request gets its own generator seeded with it; the
+    i-th of ``n`` samples with seed + i). Generation stops at an end-of-sequence token (unless ``ignore_eos``), at
+    one of ``stop_token_ids``, when the detokenized output contains one of the ``stop`` strings (cut from the text
+    unless ``include_stop_str_in_output``; the token ids keep the token that completed it), or after
+    ``max_tokens`` tokens. ``logprobs`` N: each generated token's log-probability and the N most likely tokens'
+    (see CompletionOutput.logprobs). Every field is checked here, so a bad request fails before any is queued."""
 
+    n: int = 1
     temperature: float = 1.0
     top_p: float = 1.0
-    max_tokens: int = 16
+    top_k: int = 0
+    min_p: float = 0.0
     seed: int | None = None
+    max_tokens: int = 16
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    logprobs: int | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
-        if not self.temperature >= 0:
+        _check_int("n", self.n, low=1)
+        _check_int("max_tokens", self.max_tokens, low=1)
+        _check_int("top_k", self.top_k, low=-1)
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TypeError(f"{name} must be a finite number, got {value!r}")
+        if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.seed is not None:
+            _check_int("seed", self.seed, *SEED_RANGE)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0)
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if stop is not None and (not isinstance(stop, (list, tuple))
+                                 or not all(isinstance(s, str) and s for s in stop)):
+            raise TypeError(f"stop must be a non-empty str or a list of them, got {self.stop!r}")
+        ids = self.stop_token_ids
+        if ids is not None and (not isinstance(ids, (list, tuple)) or
+                                not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)):
+            raise TypeError(f"stop_token_ids must be a list of token ids (ints >= 0), got {ids!r}")
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        object.__setattr__(self, "stop", tuple(stop or ()))  # frozen: normalised once, read as tuples
+        object.__setattr__(self, "stop_token_ids", tuple(ids or ()))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < SAMPLING_EPS
+
+
+def _check_int(name: str, value, low: int, high: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < low or (high is not None and value > high):
+        raise ValueError(f"{name} must be in [{low}, {high if high is not None else 'inf'}], got {value}")
 
 
 class Status(enum.Enum):
@@ -53,6 +106,8 @@ class Sequence:
     num_prompt_cached_tokens: int = 0  # the same, at the first admission (a recomputed request may hit its own blocks)
     num_preemptions: int = 0
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it (vLLM's stop_reason)
+    logprobs: list[dict] | None = None  # per generated token, when params.logprobs asks (see CompletionOutput)
 
     def __post_init__(self):
         self.num_prompt_tokens = len(self.token_ids)
@@ -74,7 +129,19 @@ class CompletionOutput:
     index: int
     text: str | None  # None when the checkpoint has no tokenizer
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_tokens, or the longest sequence the cache holds)
+    finish_reason: str  # "stop" (end-of-sequence token, stop token or string), "length" (max_tokens, or the longest
+    # sequence the cache holds) or "abort" (a failed step; or this request's probabilities were NaN/inf)
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos or length
+    # vLLM's form: one dict per generated token, {token_id: Logprob}, holding the sampled token and the
+    # ``logprobs`` most likely ones; log-probabilities of the model's raw logits (before temperature, top-k, ...)
+    logprobs: list[dict[int, "Logprob"]] | None = None
+
+
+@dataclass(frozen=True)
+class Logprob:
+    logprob: float
+    rank: int  # 1 for the most likely token
+    decoded_token: str | None = None
 
 
 @dataclass

@@ -272,6 +272,8 @@ def paged_attention_forward(
     if blocks_per_step is not None and (blocks_per_step < 1 or blocks_per_step & (blocks_per_step - 1)):
         raise ValueError(f"paged_attention: blocks_per_step must be a power of two, got {blocks_per_step}")
     batch, heads, head_dim = q.shape
+    if batch == 0:  # no sequence, nothing to launch: the empty output, as vLLM's kernel gives
+        return torch.empty_like(q)
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     max_blocks = block_table.shape[1]
 
