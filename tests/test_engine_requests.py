@@ -15,7 +15,7 @@ from lessonlib.engine import LLM, SamplingParams, min_p_filter, top_k_filter
 from lessonlib.engine import llm as llm_module
 from lessonlib.engine.chat import chat_prompts
 from lessonlib.engine.sampler import Sampler
-from lessonlib.kv_cache import _chain
+from lessonlib.kv_cache import block_digest
 from lessonlib.testing import check_close
 
 DTYPE = runtime.dtype(cpu=torch.float32)
@@ -159,7 +159,7 @@ def test_a_request_with_nan_probabilities_ends_alone_and_the_prefix_cache_stays(
     bad, good = llm.generate(prompts, sampled)
     assert (bad.outputs[0].finish_reason, bad.outputs[0].token_ids) == ("abort", [])
     assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].token_ids) == 2
-    first_block = [llm.block_manager.allocator.lookup(_chain(b"", p[:llm.block_size])) for p in prompts]
+    first_block = [llm.block_manager.allocator.lookup(block_digest([], p[:llm.block_size])) for p in prompts]
     assert first_block[0] is None and first_block[1] is not None  # the good request's blocks are still cached
     assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
 
