@@ -9,10 +9,10 @@ The folder tree is the architecture (nano-vllm's layout):
 
     config.py          what config.json says, checked (supported architectures, RoPE type)
     features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
-                       continuous batching): lesson 07's tokens/s ladder
+                       continuous batching): lesson 07's tokens/s ladder; chunked prefill
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
-    scheduler.py       continuous batching: admission, decode, preemption
+    scheduler.py       continuous batching: admission, decode, preemption, chunked prefill
     model.py           the decoder on lessonlib.ops kernels; loading safetensors weights
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy, temperature, top-p, seeded
@@ -23,8 +23,9 @@ from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features, ladder
 from lessonlib.engine.llm import LLM, StepRecord
 from lessonlib.engine.sampler import top_p_filter
-from lessonlib.engine.scheduler import can_admit
+from lessonlib.engine.scheduler import can_admit, prompt_chunks
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "Features", "ladder", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
-           "StepRecord", "top_p_filter", "can_admit"]
+           "StepRecord", "top_p_filter", "can_admit",
+           "prompt_chunks"]

@@ -1,0 +1,130 @@
+"""Chunked prefill (Features.chunked_prefill): the engine's greedy tokens against transformers' (float32, the tiny
+model), with prompts longer than the token budget, running decodes in the same step, a prefix-cache hit, preemption
+of a prompt in progress, and budgets below a block down to one token.
+
+Most tests run the plain-PyTorch features with chunking on: the scheduling is what they test, and in the interpreter
+each step with lessonlib's kernels costs about a second. One test runs the kernels (paged_prefill_attention serving a
+mixed step's chunks and one-token decodes against their cached prefixes).
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from lessonlib import runtime, tiny_model
+from lessonlib.engine import LLM, Features, SamplingParams, prompt_chunks
+from lessonlib.engine.features import PLAIN_PYTORCH
+from tests.test_engine import DTYPE, transformers_greedy_ids
+
+CHUNKED = replace(PLAIN_PYTORCH, chunked_prefill=True, continuous_batching=True)
+PARITY = pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
+
+
+@pytest.fixture(scope="module")
+def path():
+    return tiny_model.build()
+
+
+def random_prompts(*lengths: int) -> list[list[int]]:
+    return [torch.randint(3, 500, (n,)).tolist() for n in lengths]  # fresh each run; the tiny vocabulary is 512
+
+
+def engine(path, budget: int, features: Features = CHUNKED, **kw) -> LLM:
+    kw = {"max_num_seqs": 4, "num_blocks": 16, "max_model_len": 128, **kw}
+    return LLM(model=str(path), dtype=DTYPE, max_num_batched_tokens=budget, features=features, **kw)
+
+
+def generate_ids(llm: LLM, prompts, max_tokens: int) -> list[list[int]]:
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def assert_budget_kept(llm: LLM, budget: int) -> None:
+    assert llm.steps and all(step.num_tokens <= budget for step in llm.steps), [s.num_tokens for s in llm.steps]
+    assert llm.num_blocks_in_use() == 0, "a finished generate left blocks allocated"
+
+
+@PARITY
+def test_chunks_beside_decodes_through_the_kernels_give_transformers_tokens(path):
+    prompts = random_prompts(3, 14)  # the long one takes three steps of an 8-token budget, beside the short one
+    llm = engine(path, 8, Features(chunked_prefill=True), max_num_seqs=2)
+    assert generate_ids(llm, prompts, 2) == transformers_greedy_ids(path, prompts, 2)
+    assert_budget_kept(llm, 8)
+    # The second step: the short prompt's decode and the long one's second chunk, both after a cached prefix.
+    assert (llm.steps[1].kind, llm.steps[1].num_seqs, llm.steps[1].num_tokens) == ("prefill", 1, 8), llm.steps
+
+
+@PARITY
+@pytest.mark.parametrize("budget", [1, 3, 8])
+def test_budgets_below_a_block_give_transformers_tokens(path, budget):
+    prompts = random_prompts(19, 2, 7)[: 1 if budget == 1 else 3]
+    llm = engine(path, budget, max_num_seqs=len(prompts))
+    assert generate_ids(llm, prompts, 3) == transformers_greedy_ids(path, prompts, 3)
+    assert_budget_kept(llm, budget)
+    assert max(s.num_tokens for s in llm.steps) == budget  # the long prompt filled whole steps
+
+
+@PARITY
+def test_a_prefix_cache_hit_skips_the_blocks_earlier_chunks_wrote(path):
+    shared = random_prompts(32)[0]  # two full blocks
+    prompts = [shared + tail for tail in random_prompts(5, 9)]
+    llm = engine(path, 8)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == transformers_greedy_ids(path, prompts, 3)
+    assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == 32
+    assert sum(s.num_tokens for s in llm.steps) == 2 * 3 + len(prompts[0]) + len(prompts[1]) - 32 - 2
+    assert_budget_kept(llm, 8)
+
+
+@PARITY
+def test_a_prompt_in_progress_preempted_for_a_decode_is_recomputed(path):
+    # 5 blocks: the first prompt holds 2 and decodes into a 3rd while the second (3 blocks) is mid-prefill.
+    prompts = random_prompts(30, 40)
+    llm = engine(path, 8, num_blocks=5, max_num_seqs=2, max_model_len=80)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
+    assert [o.outputs[0].token_ids for o in outs] == transformers_greedy_ids(path, prompts, 6)
+    assert outs[0].num_preemptions == 0 and outs[1].num_preemptions == 1
+    assert_budget_kept(llm, 8)
+
+
+def test_running_decodes_get_a_token_every_step_while_a_long_prompt_prefills(path):
+    """The point of chunking: prefill-first stalls the running decodes for the whole prompt's step."""
+    short, long = random_prompts(3, 40)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    stalls = {}
+    for chunked in (True, False):
+        llm = engine(path, 16, replace(CHUNKED, chunked_prefill=chunked), max_num_seqs=2)
+        decoding = llm.add_request({"prompt_token_ids": short}, params)
+        llm.step()  # its prefill
+        arriving = llm.add_request({"prompt_token_ids": long}, params)
+        stalls[chunked] = 0
+        while not arriving.output_token_ids:
+            before = len(decoding.output_token_ids)
+            llm.step()
+            stalls[chunked] += len(decoding.output_token_ids) == before
+    assert stalls == {True: 0, False: 1}
+
+
+def test_sampled_requests_draw_the_same_tokens_with_and_without_chunking(path):
+    prompts = random_prompts(21, 4)
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=4, seed=7, ignore_eos=True)
+    runs = [[o.outputs[0].token_ids for o in engine(path, 5, features).generate(
+        [{"prompt_token_ids": p} for p in prompts], params)] for features in (CHUNKED, replace(CHUNKED, chunked_prefill=False))]
+    assert runs[0] == runs[1]
+
+
+@pytest.mark.parametrize("budget, message", [(0, "must be an int >= 1"), (2.5, "must be an int >= 1"),
+                                             (True, "must be an int >= 1"), (3, "at least max_num_seqs")])
+def test_bad_budgets_are_refused_before_anything_is_built(path, budget, message):
+    with pytest.raises(ValueError, match=message):
+        engine(path, budget)
+
+
+def test_prompt_chunks_split_the_budget_left_by_the_decodes_in_order():
+    assert prompt_chunks(3, [10, 4], 8) == [5, 0]
+    assert prompt_chunks(0, [2, 9, 1], 8) == [2, 6, 0]
+    assert prompt_chunks(4, [7], 4) == [0]
