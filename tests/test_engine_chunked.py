@@ -91,22 +91,43 @@ def test_a_prompt_in_progress_preempted_for_a_decode_is_recomputed(path):
     assert_budget_kept(llm, 8)
 
 
-def test_running_decodes_get_a_token_every_step_while_a_long_prompt_prefills(path):
-    """The point of chunking: prefill-first stalls the running decodes for the whole prompt's step."""
-    short, long = random_prompts(3, 40)
-    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
-    stalls = {}
-    for chunked in (True, False):
-        llm = engine(path, 16, replace(CHUNKED, chunked_prefill=chunked), max_num_seqs=2)
-        decoding = llm.add_request({"prompt_token_ids": short}, params)
-        llm.step()  # its prefill
-        arriving = llm.add_request({"prompt_token_ids": long}, params)
-        stalls[chunked] = 0
-        while not arriving.output_token_ids:
-            before = len(decoding.output_token_ids)
-            llm.step()
-            stalls[chunked] += len(decoding.output_token_ids) == before
-    assert stalls == {True: 0, False: 1}
+def test_the_timeline_shows_prefill_first_stalling_the_decodes_and_chunking_not(path):
+    """The point of chunking, measured by lessonlib.cases.chunked_prefill (the benchmark's and the lesson's code):
+    prefill-first stalls the running decodes for the whole prompt's step; chunked, they get a token every step."""
+    from lessonlib import bench, plots
+    from lessonlib.cases import chunked_prefill
+    from lessonlib.results import Benchmark, Impl, Results, environment
+
+    sizes = dict(decodes=2, decode_prompt=3, prompt=40, budget=16, warm_steps=1, after=2)
+    run = bench.Run(Benchmark.CHUNKED_PREFILL, dtype=DTYPE)
+    chunked_prefill.measure(run, path, sizes, CHUNKED, vocab=500)
+    recorded = Results(run.benchmark, "test", environment(), {}, run.records, {})
+    timelines = {r["impl"]: r["steps"] for r in run.records}
+    decode_tokens = {impl: [sum(step["tokens"][:-1]) for step in steps] for impl, steps in timelines.items()}
+    assert decode_tokens[Impl.PREFILL_FIRST][0] == 0 and all(decode_tokens[Impl.PREFILL_FIRST][1:])
+    assert all(n == sizes["decodes"] for n in decode_tokens[Impl.CHUNKED_PREFILL])
+    chunks = -(-sizes["prompt"] // (sizes["budget"] - sizes["decodes"]))  # steps until its first token
+    assert [step["tokens"][-1] for step in timelines[Impl.CHUNKED_PREFILL]] == [0] * (chunks - 1) + [1] * sizes["after"]
+    latency = chunked_prefill.summary(recorded)
+    assert all(row["ttft_s"] > 0 and row["itl_max_s"] >= row["itl_median_s"] > 0 for row in latency.values())
+    assert plots.chunked_prefill_timeline(recorded).axes
+
+
+def test_the_budget_split_exercise_passes_its_solution_and_names_planted_mistakes(capsys):
+    from lessonlib.exercises import ExerciseFailed, check_prompt_chunks
+    from lessonlib.grading.exercise_format import strip_solutions
+    from tests.test_kernel_exercises import define, mutated, solution_source
+
+    source = solution_source("07_serving_engine.ipynb", "my_prompt_chunks")
+    check_prompt_chunks(define(source, "my_prompt_chunks"))
+    assert capsys.readouterr().out.startswith("✓ prompt_chunks")
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        check_prompt_chunks(define(strip_solutions(source), "my_prompt_chunks"))
+    for (old, new), named in [(("max_num_batched_tokens - num_decodes", "max_num_batched_tokens"), "decodes take one"),
+                              (("min(left, budget)", "budget"), "never takes more than its tokens left"),
+                              (("        budget -= chunks[-1]\n", ""), "share one budget")]:
+        with pytest.raises(ExerciseFailed, match=named):
+            check_prompt_chunks(define(mutated(source, old, new), "my_prompt_chunks"))
 
 
 def test_sampled_requests_draw_the_same_tokens_with_and_without_chunking(path):

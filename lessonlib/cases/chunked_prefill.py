@@ -119,3 +119,17 @@ def summary(results: Results) -> dict | None:
     if set(got) != set(MODES):
         return None
     return {impl: {k: got[impl][k] for k in ("ttft_s", "itl_median_s", "itl_max_s")} for impl in MODES}
+
+
+def measure_live(path, sizes: dict = SMOKE) -> Results:
+    """Both modes on this GPU now, for the model at ``path`` (lesson 07: the tiny model), every feature on but the
+    one compared, as a Results."""
+    from lessonlib import bench
+    from lessonlib.engine import Features
+    from lessonlib.engine.config import ModelConfig
+    from lessonlib.results import Benchmark, environment
+
+    run = bench.Run(Benchmark.CHUNKED_PREFILL)
+    measure(run, path, sizes, Features(), ModelConfig.from_folder(path).vocab_size)
+    return Results(run.benchmark, "lessonlib.cases.chunked_prefill.measure_live()", environment(), {}, run.records,
+                   run.notes)
