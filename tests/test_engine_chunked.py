@@ -149,3 +149,21 @@ def test_prompt_chunks_split_the_budget_left_by_the_decodes_in_order():
     assert prompt_chunks(3, [10, 4], 8) == [5, 0]
     assert prompt_chunks(0, [2, 9, 1], 8) == [2, 6, 0]
     assert prompt_chunks(4, [7], 4) == [0]
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs and 16-bit kernels: a GPU check")
+def test_chunked_prefill_on_the_gpu_gives_the_prefill_first_tokens(path):
+    """Every feature on (CUDA graphs for the decode-only steps, scheduling ahead), chunked against prefill-first,
+    prompts longer than the budget among decodes. In 16 bits the two sum attention in their own order, so they may
+    part at a near-tie (show_live_ladder's rule, measured in float64); anything wider, or a block left, raises."""
+    from lessonlib.engine.ladder import run_ladder
+    from lessonlib.engine.lesson import show_live_ladder
+    from tests.test_engine import PREFIX
+
+    prompts = ["Hello, my name is", PREFIX + PREFIX, PREFIX + " a paged KV cache"]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 6, 5)]
+    rungs = [("prefill-first", Features()), ("chunked prefill", Features(chunked_prefill=True))]
+    runs = run_ladder(str(path), prompts, params, rungs=rungs, dtype=DTYPE, max_num_seqs=4, max_model_len=256,
+                      max_num_batched_tokens=16)
+    assert runs[1].prefill_steps > runs[0].prefill_steps  # the long prompt took several mixed steps
+    show_live_ladder(runs, runs[0].tokens, model_path=path, prompts=prompts, dtype=DTYPE)
