@@ -70,13 +70,13 @@ def test_budgets_below_a_block_give_transformers_tokens(path, budget):
 def test_a_prefix_cache_hit_skips_the_blocks_earlier_chunks_wrote(path):
     shared = random_prompts(32)[0]  # two full blocks
     prompts = [shared + tail for tail in random_prompts(5, 9)]
-    llm = engine(path, 8)
+    llm = engine(path, 12)  # the second prompt is admitted beside the first one's last chunk
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outs] == transformers_greedy_ids(path, prompts, 3)
     assert outs[0].num_cached_tokens == 0 and outs[1].num_cached_tokens == 32
     assert sum(s.num_tokens for s in llm.steps) == 2 * 3 + len(prompts[0]) + len(prompts[1]) - 32 - 2
-    assert_budget_kept(llm, 8)
+    assert_budget_kept(llm, 12)
 
 
 @PARITY
