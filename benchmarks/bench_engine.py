@@ -20,7 +20,7 @@ step takes beyond the graph's GPU time, i.e. the GPU idle while the host works) 
 (weights + K/V at the copy bandwidth).
 Then the tokens/s ladder (lesson 07): the engine with each course step switched on in turn (plain PyTorch, + fused
 ops, + FlashAttention prefill, + paged decode, + CUDA graphs with asynchronous scheduling, + continuous batching;
-lessonlib.engine.features), on a workload where batching policy matters: 64 requests for 32 seats, 128-token
+lessonlib.cases.serving_engine.ladder), on a workload where batching policy matters: 64 requests for 32 seats, 128-token
 prompts, each request's max_tokens drawn from 16..256 (seeded), no early stop. Every rung serves the same requests,
 LADDER_REPEATS times on the same engine: tokens/s = output tokens / wall time, the median run's, with the slowest
 and fastest beside it; then once more under torch.profiler for the GPU's kernel time per step (which the host's
@@ -48,7 +48,7 @@ import torch  # noqa: E402
 
 from lessonlib import bench, ops, runtime  # noqa: E402
 from lessonlib.engine import LLM, Features, ModelConfig, SamplingParams  # noqa: E402
-from lessonlib.engine.ladder import run_ladder  # noqa: E402
+from lessonlib.cases.serving_engine import run_ladder  # noqa: E402
 from lessonlib.engine.model import StepContext  # noqa: E402
 from lessonlib.engine.sequence import Sequence  # noqa: E402
 from lessonlib.ops._common import pdl  # noqa: E402

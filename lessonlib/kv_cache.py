@@ -26,10 +26,13 @@ class OutOfBlocks(RuntimeError):
 
 
 class BlockAllocator:
-    """A pool of ``num_blocks`` physical blocks with reference counts.
+    """A pool of ``num_blocks`` physical blocks with reference counts, and the prefix-cache registry.
 
     A block is *in use* while its count is above zero. A freed block that holds a full block of known content
     (a prefix-cache entry) stays findable by its hash until the allocator hands it out again, oldest freed first.
+    The one block bookkeeping of the course: :class:`PagedKVCache` (one layer's pool, lesson 03) and the engine's
+    ``BlockManager`` (every layer's pools indexed by the same block ids, lesson 07) both keep their blocks here, and
+    both name a full block by :func:`block_digest`.
     """
 
     def __init__(self, num_blocks: int):
@@ -77,6 +80,31 @@ class BlockAllocator:
 
     def lookup(self, content_hash: Hashable) -> int | None:
         return self.block_with.get(content_hash)
+
+    def cached_prefix(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[list[int], list[bytes]]:
+        """The prefix-cache blocks that hold the leading full blocks of ``token_ids`` (at most ``max_blocks``), and
+        their digests: the lookup stops at the first block not cached. Changes nothing (share the blocks to use them)."""
+        blocks: list[int] = []
+        digests: list[bytes] = []
+        for i in range(min(max_blocks, len(token_ids) // block_size)):
+            digest = block_digest(digests, token_ids[i * block_size:(i + 1) * block_size])
+            block = self.lookup(digest)
+            if block is None:
+                break
+            blocks.append(block)
+            digests.append(digest)
+        return blocks, digests
+
+    def register_full(self, block: int, digests: list[bytes], block_tokens: Sequence[int]) -> None:
+        """``block`` now holds ``block_tokens``, the full block after those ``digests`` names: append its digest to
+        ``digests`` and make it a prefix-cache entry."""
+        digests.append(block_digest(digests, block_tokens))
+        self.register(block, digests[-1])
+
+    def forget_prefix_cache(self) -> None:
+        """Drop every prefix-cache entry (blocks in use stay in use; none is findable by its content any more)."""
+        self.block_with.clear()
+        self.hash_of.clear()
 
     def _forget_hash(self, block: int) -> None:
         content_hash = self.hash_of.pop(block, None)
@@ -126,13 +154,7 @@ class PagedKVCache:
         reused, digests = [], []
         if prompt_token_ids is not None:
             tokens = [int(t) for t in prompt_token_ids]
-            for i in range(len(tokens) // self.block_size):
-                digest = _chain(digests[-1] if digests else b"", tokens[i * self.block_size:(i + 1) * self.block_size])
-                block = self.allocator.lookup(digest)
-                if block is None:
-                    break
-                reused.append(block)
-                digests.append(digest)
+            reused, digests = self.allocator.cached_prefix(tokens, self.block_size, len(tokens) // self.block_size)
         for block in reused:
             self.allocator.share(block)
         self.tables[seq_id] = reused
@@ -161,8 +183,7 @@ class PagedKVCache:
             for token in token_ids:
                 pending.append(int(token))
                 if len(pending) == self.block_size:  # a block just filled up: it becomes a prefix-cache entry
-                    digests.append(_chain(digests[-1] if digests else b"", pending))
-                    self.allocator.register(table[len(digests) - 1], digests[-1])
+                    self.allocator.register_full(table[len(digests)], digests, pending)
                     pending.clear()
 
     def reserve(self, seq_id: Hashable, n: int) -> torch.Tensor:
@@ -264,6 +285,9 @@ class PagedKVCache:
             raise ValueError(f"append: {len(token_ids)} token ids for {k.shape[0]} tokens")
 
 
-def _chain(parent: bytes, block_tokens: Sequence[int]) -> bytes:
-    """Digest of a full block: SHA-256 over the previous block's digest and this block's token ids."""
+def block_digest(digests: Sequence[bytes], block_tokens: Sequence[int]) -> bytes:
+    """The prefix cache's name for a full block that follows the blocks named ``digests``: SHA-256 over the previous
+    block's digest and this block's token ids, so it names everything before it too (two blocks with the same tokens
+    after different prefixes hold different K/V). The one definition: lesson 03's cache and the engine both use it."""
+    parent = digests[-1] if digests else b""
     return hashlib.sha256(parent + b"".join(int(t).to_bytes(8, "little", signed=True) for t in block_tokens)).digest()

@@ -177,7 +177,7 @@ def gpu_busy_seconds(fn, *args, **kwargs):
     the host's time dominates. The seconds are None without a GPU, or where the profiler recorded no kernel.
     The profiler costs the host a little per launch: time the wall clock in a run of its own. Keep one call's
     kernels to tens of thousands: past its buffer limit kineto stops collecting, and the sum comes out short
-    (``lessonlib.engine.ladder.profiled_gpu_seconds`` profiles a long run in windows)."""
+    (``lessonlib.cases.serving_engine.profiled_gpu_seconds`` profiles a long run in windows)."""
     if not runtime.on_gpu():
         return fn(*args, **kwargs), None
     from torch.profiler import ProfilerActivity, profile

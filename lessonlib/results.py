@@ -160,7 +160,7 @@ class Impl:
     ENGINE_GRAPHS_CUBLAS = "lessonlib engine, CUDA graphs, cuBLAS projections"  # Features(gemv=False), batch 1
     ENGINE_GRAPHS_SYNC = "lessonlib engine, CUDA graphs, synchronous scheduling"  # Features(async_scheduling=False)
     WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
-    # the tokens/s ladder's rungs (lessonlib.engine.features.ladder), cumulative
+    # the tokens/s ladder's rungs (lessonlib.cases.serving_engine.ladder), cumulative
     RUNG_PLAIN = "plain PyTorch"
     RUNG_FUSED_OPS = "+ fused ops"
     RUNG_FLASH_PREFILL = "+ FlashAttention prefill"

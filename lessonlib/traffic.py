@@ -19,6 +19,7 @@ class Kernel:
     bytes_read: int
     bytes_written: int
     flops: int
+    memcpy: bool = False  # a plain copy in one dtype: on a GPU a cudaMemcpy, which the profiler lists apart from kernels
 
     @property
     def bytes(self) -> int:
@@ -35,6 +36,12 @@ class Chain:
     @property
     def launches(self) -> int:
         return len(self.kernels)
+
+    @property
+    def gpu_kernels(self) -> int:
+        """The launches a GPU's profiler lists as kernels (``measure.count_launches`` on a GPU): the copies are
+        device-to-device cudaMemcpy calls there."""
+        return sum(not k.memcpy for k in self.kernels)
 
     @property
     def bytes(self) -> int:
@@ -194,7 +201,7 @@ def add_rms_norm_backward(tokens: int, hidden: int, itemsize: int = 2, programs:
         Kernel("* -0.5", row, row, tokens),
         Kernel("d(rstd) * · → d(variance)", 2 * row, row, tokens),
         Kernel("mean's backward: expand / H", row, f, elems),
-        Kernel("pow's backward: hidden ** 1", f, f, elems),
+        Kernel("pow's backward: hidden ** 1, a copy", f, f, 0, memcpy=True),
         Kernel("* 2", f, f, elems),
         Kernel("d(variance) * 2 hidden", 2 * f, f, elems),
         Kernel("add the two d(hidden)", 2 * f, f, elems),

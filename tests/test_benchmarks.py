@@ -197,7 +197,7 @@ def _ladder_rows(spreads: list[tuple[float, float, float]], **extra) -> list[dic
 
 
 def test_a_ladder_gain_is_a_verdict_only_beyond_the_runs_spread():
-    from lessonlib.engine.lesson import ladder_gain, plot_ladder
+    from lessonlib.plots.serving_engine import ladder_gain, plot_ladder
 
     rows = _ladder_rows([(300, 369, 400), (600, 650, 700), (420, 640, 800)], gpu_us_per_step=9000.0,
                         wall_us_per_step=13000.0, gpu_tokens_per_s=900.0)
@@ -266,7 +266,7 @@ def test_the_profiled_ladder_run_covers_every_step_in_windows(monkeypatch):
     from lessonlib import runtime, tiny_model
     from lessonlib.engine import LLM, SamplingParams
 
-    ladder = importlib.import_module("lessonlib.engine.ladder")  # the module: lessonlib.engine.ladder is a function
+    from lessonlib.cases import serving_engine as ladder
     llm = LLM(str(tiny_model.build()), dtype=runtime.dtype(cpu=torch.float32), max_num_seqs=2, num_blocks=16,
               max_model_len=64)
     prompts, params = ["Hello, my name is", "A paged KV cache"], SamplingParams(temperature=0.0, max_tokens=3,

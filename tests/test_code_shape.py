@@ -28,3 +28,44 @@ def test_no_lessonlib_file_over_400_lines():
     big = [f"{p.relative_to(ROOT)} ({n} lines)" for p in python_files("lessonlib")
            if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
     assert not big, "files over 400 lines:\n" + "\n".join(big)
+
+
+ENGINE_MUST_NOT_IMPORT = ("lessonlib.plots", "lessonlib.results", "lessonlib.widgets", "lessonlib.serving")
+
+
+def imported_modules(tree: ast.AST) -> set[str]:
+    """Every module an ``import`` or ``from ... import`` names, at any depth (a function's lazy import counts)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)  # from lessonlib import plots
+    return names
+
+
+def test_imported_modules_sees_lazy_and_from_imports():
+    tree = ast.parse("import os\ndef f():\n    from lessonlib import plots\n    import lessonlib.results.x\n")
+    assert {"os", "lessonlib.plots", "lessonlib.results.x"} <= imported_modules(tree)
+
+
+def test_the_engine_is_the_engine_alone():
+    """Issue 25: lesson 07's plots, simulator and live checks live outside engine/ (cases/, plots/ serving_engine.py);
+    the engine imports no plots, recorded results, widgets or vLLM bridge."""
+    bad = [f"{p.relative_to(ROOT)} imports {name}" for p in python_files("lessonlib/engine")
+           for name in sorted(imported_modules(ast.parse(p.read_text())))
+           if any(name == banned or name.startswith(banned + ".") for banned in ENGINE_MUST_NOT_IMPORT)]
+    assert not bad, "the engine imports lesson code:\n" + "\n".join(bad)
+
+
+def test_one_class_one_name():
+    """Issue 25: a class name means one thing in lessonlib (``DecoderLayer`` is lesson 05's layer, the engine's is
+    ``EngineLayer``; ``DecodeInputs`` is lesson 05's step inputs, the engine's staging buffers are ``DecodeBuffers``)."""
+    where: dict[str, list[str]] = {}
+    for path in python_files("lessonlib"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    twice = {name: paths for name, paths in where.items() if len(paths) > 1}
+    assert not twice, f"one name, several classes: {twice}"

@@ -367,7 +367,7 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     if not runtime.on_gpu():  # float32 in the interpreter: every rung gives the same tokens. In bf16 on a GPU the
         # rungs' different summation orders flip near-ties (the benchmark's checks report them), so no equality there.
         assert all(r["same_tokens_as_top_rung"] == r["shape"]["requests"] for r in ladder)
-    from lessonlib.engine.lesson import plot_ladder
+    from lessonlib.plots.serving_engine import plot_ladder
 
     assert len(plot_ladder(recorded).patches) == len(ladder)
 
@@ -375,7 +375,7 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
 def test_the_batch_1_summary_reads_the_recorded_run():
     """Lesson 07's two printed lines about batch 1 come from the committed H200 run's records."""
     from lessonlib import results
-    from lessonlib.engine.lesson import batch_1_summary
+    from lessonlib.plots.serving_engine import batch_1_summary
 
     recorded = results.find("engine-h200")
     engine = recorded.select(op="generate", impl="lessonlib engine, CUDA graphs", batch=1)[0]
@@ -421,7 +421,7 @@ def test_exercise_checkers_pass_the_engine_and_catch_wrong_rules(capsys):
 
 
 def test_simulated_arrivals_never_overfill_the_pool():
-    from lessonlib.engine.lesson import simulate
+    from lessonlib.cases.serving_engine import simulate
 
     records = simulate(arrival_rate=0.4, block_size=16, num_blocks=64, steps=300, seed=random.randrange(1000))
     assert max(r.blocks_used for r in records) <= 64
@@ -431,7 +431,7 @@ def test_simulated_arrivals_never_overfill_the_pool():
 
 @pytest.mark.skipif(runtime.on_gpu(), reason="float32 token-for-token parity: an interpreter check")
 def test_every_rung_of_the_ladder_gives_transformers_tokens(path):
-    from lessonlib.engine.ladder import run_ladder
+    from lessonlib.cases.serving_engine import run_ladder
 
     # Two seats for three requests of different lengths and output lengths: static batching must wait for the first
     # batch's longest request, continuous batching admits the third as soon as a seat frees. The third shares the
@@ -483,14 +483,14 @@ def test_features_are_checked_and_enforce_eager_turns_graphs_off(path):
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
 def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
-    from lessonlib.engine import Features, ladder
-    from lessonlib.engine.ladder import run_ladder
+    from lessonlib.cases.serving_engine import ladder, run_ladder
+    from lessonlib.engine import Features
 
     # The GPU rungs, "+ CUDA graphs" included, and gather-then-SDPA decode replayed from graphs (not a rung: it
     # checks that path captures, with the whole block table and padding rows). In 16 bits each rung sums in its own
     # order, so a rung may part from the top rung at a near-tie (measured in float64, as lesson 07's live ladder does);
     # anything wider, or a block left in use, raises.
-    from lessonlib.engine.lesson import show_live_ladder
+    from lessonlib.cases.serving_engine import show_live_ladder
 
     prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (3, 8, 5)]
@@ -504,10 +504,10 @@ def test_decode_inputs_travel_in_one_copy_and_pad_the_rows_past_the_batch():
     its position and slot, its length and block table, all in one buffer; rows past the batch point at the padding
     block."""
     from lessonlib.engine.llm import PENDING
-    from lessonlib.engine.model_runner import DecodeInputs
+    from lessonlib.engine.model_runner import DecodeBuffers
     from lessonlib.engine.sequence import Sequence
 
-    inputs = DecodeInputs(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
+    inputs = DecodeBuffers(rows=4, max_blocks=3, pad_block=9, block_size=16, device=torch.device("cpu"))
     a = Sequence(list(range(1, 18)), GREEDY, block_table=[5, 2])  # 17 tokens: the last in block 2, offset 0
     b = Sequence([7] * 3, GREEDY, block_table=[4])
     views = inputs.fill([a, b], rows=3, previous_rows=[None, None])
@@ -530,8 +530,8 @@ def test_the_live_ladder_accepts_a_16_bit_near_tie_and_refuses_a_wrong_token():
     apart, transformers in bf16 the other (its own bf16 error there: 0.31). In 16 bits such a split is reported as
     a near-tie; a token whose float64 logit is far below is still a wrong answer. In float32 any split raises."""
     from lessonlib.engine.features import PLAIN_PYTORCH
-    from lessonlib.engine.ladder import RungRun
-    from lessonlib.engine.lesson import _NearTieJudge, show_live_ladder
+    from lessonlib.cases.serving_engine import RungRun
+    from lessonlib.cases.serving_engine import _NearTieJudge, show_live_ladder
 
     path = tiny_model.build()
     prompt = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "

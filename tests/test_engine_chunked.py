@@ -156,8 +156,7 @@ def test_chunked_prefill_on_the_gpu_gives_the_prefill_first_tokens(path):
     """Every feature on (CUDA graphs for the decode-only steps, scheduling ahead), chunked against prefill-first,
     prompts longer than the budget among decodes. In 16 bits the two sum attention in their own order, so they may
     part at a near-tie (show_live_ladder's rule, measured in float64); anything wider, or a block left, raises."""
-    from lessonlib.engine.ladder import run_ladder
-    from lessonlib.engine.lesson import show_live_ladder
+    from lessonlib.cases.serving_engine import run_ladder, show_live_ladder
     from tests.test_engine import PREFIX
 
     prompts = ["Hello, my name is", PREFIX + PREFIX, PREFIX + " a paged KV cache"]

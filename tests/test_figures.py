@@ -11,7 +11,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.colors import to_hex  # noqa: E402
 
 from lessonlib import plots, results  # noqa: E402
-from lessonlib.engine.lesson import plot_recorded, plot_simulation, simulate  # noqa: E402
+from lessonlib.cases.serving_engine import simulate  # noqa: E402
+from lessonlib.plots.serving_engine import plot_recorded, plot_simulation  # noqa: E402
 from lessonlib.plots.recorded import recorded_vs_live  # noqa: E402
 from lessonlib.results import RESULTS_DIR, Impl, Op, Unit  # noqa: E402
 

@@ -344,3 +344,20 @@ def test_a_changed_course_file_stops_the_grading(tmp_path):
     assert result.returncode == 3, result.stderr.decode()[-3000:]
     assert b"course files changed while grading vandal/" in result.stderr
     assert not (tmp_path / "out" / "grades.csv").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as a uid of its own only when the grader is root")
+def test_the_kernels_connection_file_is_handed_to_the_sandboxs_uid(tmp_path, monkeypatch):
+    # Seen on the lent GPU machine (root, a Python every user can run): the kernel ran as SANDBOX_UID + slot and
+    # could not read the connection file jupyter_client writes with mode 0600, so it died before it started.
+    from lessonlib.grading import notebook_run
+
+    monkeypatch.setattr(sandbox, "_open_to_others", lambda: True)
+    box = sandbox.Box("bwrap", tmp_path / "s", tmp_path / "w", (), 1 << 20, 64, 1 << 20, slot=3)
+    sandbox.prepare(box)
+    km = notebook_run._kernel_manager(box, transport="ipc", ip=str(box.writable / "k"),
+                                      connection_file=str(box.writable / "kernel.json"))
+    km.write_connection_file()
+    info = (box.writable / "kernel.json").stat()
+    assert (info.st_uid, info.st_gid) == (sandbox.SANDBOX_UID + 3,) * 2
+    assert (box.writable.stat().st_uid, box.work.stat().st_uid) == (sandbox.SANDBOX_UID + 3,) * 2

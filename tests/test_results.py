@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 import lessonlib.plots as plots  # noqa: E402
 from lessonlib import results  # noqa: E402
-from lessonlib.engine.lesson import plot_recorded  # noqa: E402
+from lessonlib.plots.serving_engine import plot_recorded  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op, recorded_name  # noqa: E402
 
 CPU_RECORDED = sorted(p.stem for p in results.RESULTS_DIR.glob("*-cpu.json"))

@@ -4,7 +4,7 @@ torch.profiler counts for the reference (eager) and the fused implementations.""
 import pytest
 import torch
 
-from lessonlib import ops, reference, traffic
+from lessonlib import ops, reference, runtime, traffic
 from lessonlib.measure import count_launches
 from tests.conftest import DEVICE, randn
 
@@ -78,7 +78,9 @@ def test_backward_launch_counts_match_the_model(dtype):
                          (x, res, w)),
     }
     for name, (model, eager, fused, args) in cases.items():
-        for impl, fn, expected in (("eager", eager, model.eager.launches), ("fused", fused, model.fused.launches)):
+        for impl, fn, chain in (("eager", eager, model.eager), ("fused", fused, model.fused)):
+            # On a GPU pow's backward copies hidden ** 1 with a cudaMemcpy, which the profiler lists apart from kernels
+            expected = chain.gpu_kernels if runtime.on_gpu() else chain.launches
             outs = fn(*args)
             outs = outs if isinstance(outs, tuple) else (outs,)
             grads = [torch.randn_like(o) for o in outs]

@@ -9,7 +9,7 @@ The folder tree is the architecture (nano-vllm's layout):
 
     config.py          what config.json says, checked (supported architectures, RoPE type)
     features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
-                       continuous batching): lesson 07's tokens/s ladder; chunked prefill
+                       continuous batching): the rungs of lesson 07's tokens/s ladder; chunked prefill
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
     scheduler.py       continuous batching: admission, decode, preemption, chunked prefill
@@ -17,15 +17,18 @@ The folder tree is the architecture (nano-vllm's layout):
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy, temperature, top-p, seeded
     llm.py             LLM: generate(), add_request()/step()
+
+The engine alone: what lesson 07 runs on it (the tokens/s ladder, the scheduler simulation, the live checks) is in
+``lessonlib.cases.serving_engine``, what it draws in ``lessonlib.plots.serving_engine``. Nothing here imports
+``lessonlib.plots``, ``results``, ``widgets`` or ``serving`` (``tests/test_code_shape.py`` checks).
 """
 
 from lessonlib.engine.config import ModelConfig
-from lessonlib.engine.features import Features, ladder
+from lessonlib.engine.features import Features
 from lessonlib.engine.llm import LLM, StepRecord
 from lessonlib.engine.sampler import top_p_filter
 from lessonlib.engine.scheduler import can_admit, prompt_chunks
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams
 
-__all__ = ["LLM", "Features", "ladder", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
-           "StepRecord", "top_p_filter", "can_admit",
-           "prompt_chunks"]
+__all__ = ["LLM", "Features", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
+           "StepRecord", "top_p_filter", "can_admit", "prompt_chunks"]

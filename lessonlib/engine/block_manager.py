@@ -1,5 +1,5 @@
 """Which physical KV-cache blocks each sequence holds: lesson 03's BlockAllocator (reference counts, a free list,
-the prefix-cache registry) and its chained block digests, driven for many layers at once.
+the prefix-cache registry) and its chained block digests (``kv_cache.block_digest``), driven for many layers at once.
 
 ``lessonlib.kv_cache.PagedKVCache`` keeps one layer's K/V pool and its bookkeeping together; the engine has one pool
 per layer indexed by the *same* block ids, so it keeps the bookkeeping here, apart from any tensor (as nano-vllm's
@@ -12,7 +12,7 @@ never reuses its last token's block: the last token must run through the model t
 
 from __future__ import annotations
 
-from lessonlib.kv_cache import BlockAllocator, _chain
+from lessonlib.kv_cache import BlockAllocator
 from lessonlib.engine.sequence import Sequence
 
 
@@ -38,24 +38,22 @@ class BlockManager:
         return -(-num_tokens // self.block_size)
 
     # --- admission (prefill) -------------------------------------------------------------------------------------
-    def _cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
-        """Blocks of the prefix cache that hold this sequence's leading full blocks (all but the last token's)."""
-        blocks, digests = [], []
-        for i in range((len(seq) - 1) // self.block_size):
-            digest = _chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block = self.allocator.lookup(digest)
-            if block is None:
-                break
-            blocks.append(block)
-            digests.append(digest)
-        return blocks, digests
+    def cached_prefix(self, seq: Sequence) -> tuple[list[int], list[bytes]]:
+        """Blocks of the prefix cache that hold this sequence's leading full blocks (all but the last token's, which
+        must run through the model), and their digests. Changes nothing: :meth:`allocate` shares them."""
+        return self.allocator.cached_prefix(seq.token_ids, self.block_size, (len(seq) - 1) // self.block_size)
+
+    def prefix_hits(self, seq: Sequence) -> tuple[int, int]:
+        """How many of ``seq``'s leading blocks the prefix cache holds (:meth:`cached_prefix`), and how many of those
+        sit idle in the free list (a finished sequence's blocks stay findable there until they are handed out
+        again): admitting ``seq`` takes the idle ones out of the pool, the busy ones cost no free block."""
+        hits, _ = self.cached_prefix(seq)
+        return len(hits), sum(self.allocator.ref_counts[b] == 0 for b in hits)
 
     def free_blocks_needed(self, seq: Sequence) -> int:
-        """Free blocks admitting ``seq`` takes: its uncached blocks, plus cached blocks that sit in the free list
-        (a finished sequence's blocks stay findable there until they are handed out again)."""
-        hits, _ = self._cached_prefix(seq)
-        idle_hits = sum(self.allocator.ref_counts[b] == 0 for b in hits)
-        return self.blocks_for(len(seq)) - len(hits) + idle_hits
+        """Free blocks admitting ``seq`` takes: its uncached blocks, plus its cached blocks that sit idle."""
+        cached, idle = self.prefix_hits(seq)
+        return self.blocks_for(len(seq)) - cached + idle
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self.free_blocks_needed(seq) <= self.num_free
@@ -68,15 +66,14 @@ class BlockManager:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         if not self.can_allocate(seq):
             raise RuntimeError(f"sequence {seq.seq_id} does not fit: check can_allocate first")
-        hits, digests = self._cached_prefix(seq)
+        hits, digests = self.cached_prefix(seq)
         for block in hits:
             self.allocator.share(block)
         table = hits + [self.allocator.allocate() for _ in range(self.blocks_for(len(seq)) - len(hits))]
         # Register the prompt's other full blocks now: their K/V are written by this very prefill, in every layer
         # before any attention of that layer reads them, so a sequence admitted in the same step may share them.
         for i in range(len(hits), len(seq) // self.block_size if register else 0):
-            digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            self.allocator.register(table[i], digests[-1])
+            self.allocator.register_full(table[i], digests, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size
         if seq.num_preemptions == 0:
@@ -106,8 +103,7 @@ class BlockManager:
             return
         digests, i = self._digests[seq.seq_id], position // self.block_size
         if len(digests) == i:  # a chain with no gap (false once a sequence ran past what was hashed)
-            digests.append(_chain(digests[-1] if digests else b"", seq.token_ids[i * self.block_size:position + 1]))
-            self.allocator.register(seq.block_table[i], digests[-1])
+            self.allocator.register_full(seq.block_table[i], digests, seq.token_ids[i * self.block_size:position + 1])
 
     def free(self, seq: Sequence) -> None:
         """Return a sequence's blocks (finished, or preempted); full ones stay prefix-cached until reused."""
@@ -119,5 +115,4 @@ class BlockManager:
 
     def forget_prefix_cache(self) -> None:
         """Drop every prefix-cache entry (after a failed step, whose blocks may hold half-written K/V)."""
-        self.allocator.block_with.clear()
-        self.allocator.hash_of.clear()
+        self.allocator.forget_prefix_cache()

@@ -1,5 +1,6 @@
-"""The engine's speed-ups, one switch each (lesson 07's tokens/s ladder). Everything on is the engine's default
-(but chunked_prefill, a scheduling choice the lesson compares, not a rung); a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
+"""The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
+:func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default (but chunked_prefill, a
+scheduling choice lesson 07 compares, not a rung); a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
 (in 16 bits each sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
@@ -28,9 +29,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
-
-from lessonlib.results import Impl
+from dataclasses import dataclass, fields
 
 
 @dataclass(frozen=True)
@@ -51,15 +50,3 @@ class Features:
 
 
 PLAIN_PYTORCH = Features(**{f.name: False for f in fields(Features)})
-
-
-def ladder() -> list[tuple[str, Features]]:
-    """The rungs, cumulative in the course's order: plain PyTorch, then each lesson's step switched on in turn."""
-    rungs, features = [(Impl.RUNG_PLAIN, PLAIN_PYTORCH)], PLAIN_PYTORCH
-    for names, label in ((("fused_ops", "gemv"), Impl.RUNG_FUSED_OPS), (("flash_prefill",), Impl.RUNG_FLASH_PREFILL),
-                         (("paged_decode",), Impl.RUNG_PAGED_DECODE),
-                         (("cuda_graphs", "async_scheduling"), Impl.RUNG_CUDA_GRAPHS),
-                         (("continuous_batching",), Impl.RUNG_CONTINUOUS_BATCHING)):
-        features = replace(features, **dict.fromkeys(names, True))
-        rungs.append((label, features))
-    return rungs

@@ -11,9 +11,9 @@ sequence in a decode step. Per layer::
 GEMMs are cuBLAS (torch), except for a lone token (a decode step at batch 1): there each projection is one
 ``ops.gemv`` (gate_up's with SwiGLU in its epilogue, so no swiglu launch; see :func:`project`). Everything between
 them is one lessonlib kernel, or, with a :class:`Features` switch off, the plain-PyTorch way (lesson 07's tokens/s
-ladder). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one serves both phases and
-many sequences of different lengths.
-The three parts of a layer are separate methods (:meth:`DecoderLayer.attention`, :meth:`DecoderLayer.mlp`, the
+ladder). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one, :class:`EngineLayer`,
+serves both phases and many sequences of different lengths.
+The three parts of a layer are separate methods (:meth:`EngineLayer.attention`, :meth:`EngineLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
 """
 
@@ -58,7 +58,7 @@ class StepContext:
     max_seq_len: int | None = None
 
 
-class DecoderLayer(nn.Module):
+class EngineLayer(nn.Module):
     def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device,
                  features: Features = Features()):
         super().__init__()
@@ -174,7 +174,7 @@ class Model(nn.Module):
         factory = {"dtype": dtype, "device": device}
         self.config, self.features = config, features
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, features) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(EngineLayer(config, dtype, device, features) for _ in range(config.num_layers))
         self.norm = nn.Parameter(torch.ones(config.hidden_size, **factory))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
         # RoPE angles for every position the engine serves, computed once (float64, rounded to the model's dtype).

@@ -46,7 +46,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 MAX_PREFILL_GRAPH_TOKENS = 2048  # longer lone prompts prefill eagerly: their launches are a small part of their time
 
 
-class DecodeInputs:
+class DecodeBuffers:
     """A decode step's integer inputs, written on the host into a page-locked buffer and sent to the GPU in one copy
     (its int64 part: token ids, positions, cache slots, token sources; its int32 part: sequence lengths, block
     tables; each a view of the same bytes). The device buffer is what the captured graphs read, so a replay needs
@@ -258,7 +258,7 @@ class ModelRunner:
         self.k_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.v_caches = torch.zeros(shape, dtype=dtype, device=device)
         self.max_blocks = -(-max_model_len // block_size)  # block-table width of every decode step
-        self.inputs = DecodeInputs(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
+        self.inputs = DecodeBuffers(max_num_seqs, self.max_blocks, self.pad_block, block_size, device)
         self.host_tokens = HostTokens(max_num_seqs, device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, StepOutput]] = {}
         self.prefill_graphs: PrefillGraphs | None = None
@@ -333,7 +333,7 @@ class ModelRunner:
 
     def _decode_step(self, rows: int, ctx: StepContext) -> StepOutput:
         """The decode step on the first ``rows`` rows of the inputs; its greedy tokens are also kept on the device
-        for the next step (``DecodeInputs.previous_tokens``)."""
+        for the next step (``DecodeBuffers.previous_tokens``)."""
         inputs = self.inputs.views(rows)
         hidden = self.model(self.inputs.input_ids(rows), inputs["positions"], ctx, self.k_caches, self.v_caches)
         logits = self.model.logits(hidden)

@@ -86,10 +86,9 @@ class Scheduler:
         return not self.waiting and not self.running
 
     def can_admit(self, seq: Sequence, seats_taken: int, batched_tokens: int) -> bool:
-        hits, _ = self.blocks._cached_prefix(seq)
-        idle = sum(self.blocks.allocator.ref_counts[b] == 0 for b in hits)
-        return can_admit(self.blocks.blocks_for(len(seq)), idle, len(hits) - idle, self.blocks.num_free,
-                         seats_taken, self.max_num_seqs, len(seq) - len(hits) * self.blocks.block_size,
+        cached, idle = self.blocks.prefix_hits(seq)
+        return can_admit(self.blocks.blocks_for(len(seq)), idle, cached - idle, self.blocks.num_free,
+                         seats_taken, self.max_num_seqs, len(seq) - cached * self.blocks.block_size,
                          batched_tokens, self.max_num_batched_tokens)
 
     def schedule(self) -> tuple[list[Sequence], bool]:

@@ -117,6 +117,19 @@ def _kernel_spec_manager(folder: Path, argv: list[str]):
     return KernelSpecManager(kernel_dirs=[str(folder)], ensure_native_kernel=False)
 
 
+def _kernel_manager(box: sandbox.Box, **kwargs):
+    """jupyter_client's kernel manager, whose connection file (written 0600 by the grader) is handed to the sandbox's
+    uid: a kernel running as a uid of its own could not read it and died before it started."""
+    from jupyter_client.manager import AsyncKernelManager
+
+    class KernelManager(AsyncKernelManager):
+        def write_connection_file(self, **kw):
+            super().write_connection_file(**kw)
+            sandbox.hand_over(box, Path(self.connection_file))
+
+    return KernelManager(**kwargs)
+
+
 def _environment(box: sandbox.Box) -> dict[str, str]:
     """The kernel's and the scoring process's environment: allowlisted, lessonlib's scratch in the working folder,
     the checkout first on the path."""
@@ -159,7 +172,6 @@ def _capped_client(notebook, km, workdir: Path, limits: Limits):
 def _run_cells(sources: list[str], box: sandbox.Box, limits: Limits, output: Path):
     """Execute ``sources`` in one fresh kernel in ``box``, its raw stdout and stderr into ``output`` (capped).
     Returns (executed notebook, {index: status}, notes) where status is "ok", "error", "timeout" or "not run"."""
-    from jupyter_client.manager import AsyncKernelManager
     from nbclient.exceptions import DeadKernelError
 
     notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(s) for s in sources])
@@ -171,7 +183,7 @@ def _run_cells(sources: list[str], box: sandbox.Box, limits: Limits, output: Pat
     # Unix sockets in the one folder the sandbox shares with the grader: the sandbox has no network. Unsandboxed,
     # loopback TCP as Jupyter's default (some file systems refuse sockets: ZMQError "Operation not supported").
     transport, ip = ("tcp", "127.0.0.1") if box.mode == "none" else ("ipc", str(box.writable / "k"))
-    km = AsyncKernelManager(kernel_name="lessonlib-grading", transport=transport, ip=ip,
+    km = _kernel_manager(box, kernel_name="lessonlib-grading", transport=transport, ip=ip,
                             connection_file=str(box.writable / "kernel.json"),
                             kernel_spec_manager=_kernel_spec_manager(box.writable.parent / "spec", argv))
     client = _capped_client(notebook, km, box.work, limits)

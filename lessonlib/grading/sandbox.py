@@ -190,9 +190,15 @@ def prepare(box: Box) -> None:
     """Make the folders the sandbox binds, owned by the uid the sandboxed process runs as."""
     for folder in (box.writable, box.work, box.work / "home", box.work / "tmp"):
         folder.mkdir(parents=True, exist_ok=True)
-        if os.geteuid() == 0 and box.mode != "none":
-            if _as_sandbox_user(box.slot):
-                os.chown(folder, SANDBOX_UID + box.slot, SANDBOX_UID + box.slot)
+        hand_over(box, folder)
+
+
+def hand_over(box: Box, path: Path) -> None:
+    """Give ``path`` to the uid the sandboxed process runs as, where it runs as one of its own (as root, see
+    :func:`_as_sandbox_user`): a file the grader writes for it with mode 0600 (the kernel's connection file) is
+    otherwise unreadable there."""
+    if os.geteuid() == 0 and box.mode != "none" and _as_sandbox_user(box.slot):
+        os.chown(path, SANDBOX_UID + box.slot, SANDBOX_UID + box.slot)
 
 
 class CappedSink:

@@ -1,5 +1,6 @@
 """vLLM's own KV-cache manager, driven by hand with no engine and no model (lesson 06 compares it with
-:mod:`lessonlib.kv_cache`)."""
+:mod:`lessonlib.kv_cache`). Its block hashes are vLLM's (``get_request_block_hasher``), not
+``kv_cache.block_digest``: the point is to watch vLLM's own bookkeeping, so nothing of the course's replaces it."""
 
 from __future__ import annotations
 
