@@ -52,11 +52,14 @@ class Benchmark:
     ENGINE = "engine"
     ATTENTION_LAUNCHES = "attention_launches"  # lesson 02: naive attention's kernels against one fused launch
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
+    CHUNKED_PREFILL = "chunked_prefill"  # lesson 07: one long prompt arriving among decodes, chunked or not
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset()
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
+# Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
+RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 
 
 def recorded_name(benchmark: str, gpu: str = "h200") -> str:
@@ -91,6 +94,7 @@ class Op:
     READ = "read"  # headline: the bandwidth a plain read reaches
     LAUNCH_BOUND_ATTENTION = "attention at launch-bound sizes"  # tiny T: launches, not bytes, are the time
     LARGEST_BATCH = "largest batch that fits"  # the same KV memory, reserved as slabs or as blocks
+    STEP_TIMELINE = "step timeline"  # lesson 07: each engine step's time and which requests' tokens came out
     ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
 
 
@@ -163,6 +167,9 @@ class Impl:
     RUNG_PAGED_DECODE = "+ paged decode"
     RUNG_CUDA_GRAPHS = "+ CUDA graphs"
     RUNG_CONTINUOUS_BATCHING = "+ continuous batching"
+    # chunked_prefill: how the scheduler fits a long prompt among running decodes (Features.chunked_prefill)
+    PREFILL_FIRST = "prefill-first (whole prompt in one step)"
+    CHUNKED_PREFILL = "chunked prefill (token budget shared with decodes)"
     # paging_payoff: how the KV memory is reserved
     KV_SLABS = "contiguous slabs (max_model_len each)"
     KV_BLOCKS = "paged blocks (what is used)"

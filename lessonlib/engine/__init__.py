@@ -10,10 +10,10 @@ The folder tree is the architecture (nano-vllm's layout):
     config.py          what config.json says, checked (architectures, RoPE type and llama3 scaling, every field
                        whose math is not implemented refused by name)
     features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
-                       continuous batching): the rungs of lesson 07's tokens/s ladder
+                       continuous batching): the rungs of lesson 07's tokens/s ladder; chunked prefill
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
-    scheduler.py       continuous batching: admission, decode, preemption
+    scheduler.py       continuous batching: admission, decode, preemption, chunked prefill
     model.py           the decoder on lessonlib.ops kernels; loading safetensors weights (matched by name and shape)
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy; temperature, min-p, top-k, top-p, seeded; NaN/inf rows refused; logprobs
@@ -31,8 +31,8 @@ from lessonlib.engine.config import ModelConfig
 from lessonlib.engine.features import Features
 from lessonlib.engine.llm import LLM, StepRecord
 from lessonlib.engine.sampler import min_p_filter, top_k_filter, top_p_filter
-from lessonlib.engine.scheduler import can_admit
+from lessonlib.engine.scheduler import can_admit, prompt_chunks
 from lessonlib.engine.sequence import CompletionOutput, Logprob, RequestOutput, SamplingParams
 
 __all__ = ["LLM", "Features", "SamplingParams", "RequestOutput", "CompletionOutput", "ModelConfig",
-           "StepRecord", "top_p_filter", "top_k_filter", "min_p_filter", "can_admit", "Logprob"]
+           "StepRecord", "top_p_filter", "top_k_filter", "min_p_filter", "can_admit", "prompt_chunks", "Logprob"]

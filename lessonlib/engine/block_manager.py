@@ -58,8 +58,10 @@ class BlockManager:
     def can_allocate(self, seq: Sequence) -> bool:
         return self.free_blocks_needed(seq) <= self.num_free
 
-    def allocate(self, seq: Sequence) -> None:
-        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks. Call can_allocate first."""
+    def allocate(self, seq: Sequence, register: bool = True) -> None:
+        """Give ``seq`` blocks for all its tokens, reusing cached prefix blocks. Call can_allocate first.
+        ``register`` False (chunked prefill: the prompt's K/V are written over several steps): no new block joins
+        the prefix cache here; each does once the step that writes it is scheduled (``register_written``)."""
         if seq.block_table:
             raise RuntimeError(f"sequence {seq.seq_id} already holds blocks")
         if not self.can_allocate(seq):
@@ -70,7 +72,7 @@ class BlockManager:
         table = hits + [self.allocator.allocate() for _ in range(self.blocks_for(len(seq)) - len(hits))]
         # Register the prompt's other full blocks now: their K/V are written by this very prefill, in every layer
         # before any attention of that layer reads them, so a sequence admitted in the same step may share them.
-        for i in range(len(hits), len(seq) // self.block_size):
+        for i in range(len(hits), len(seq) // self.block_size if register else 0):
             self.allocator.register_full(table[i], digests, seq.token_ids[i * self.block_size:(i + 1) * self.block_size])
         seq.block_table = table
         seq.num_cached_tokens = len(hits) * self.block_size

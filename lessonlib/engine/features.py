@@ -1,6 +1,6 @@
 """The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
-:func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default;
-a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
+:func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default (but chunked_prefill, a
+scheduling choice lesson 07 compares, not a rung); a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
 (in 16 bits each sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
@@ -21,6 +21,10 @@ a switch turned off runs that part the plain-PyTorch way, so every combination g
     async_scheduling     a greedy decode step runs on the GPU while the host schedules and launches the next one
                          (its input tokens taken on the GPU from the step before); off: the host waits for each
                          step's tokens before it schedules the next. The ladder turns it on with cuda_graphs
+    chunked_prefill      each step packs the running decodes first, then prompt chunks up to max_num_batched_tokens,
+                         all in one mixed step (vLLM V1, Sarathi-Serve); off: prefill-first, a step admits and
+                         prefills whole prompts while every decode waits. Off by default, so the ladder's recorded
+                         runs keep their schedule; lesson 07 turns it on to compare the two
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class Features:
     continuous_batching: bool = True
     gemv: bool = True
     async_scheduling: bool = True
+    chunked_prefill: bool = False
 
     def __post_init__(self):
         for f in fields(self):

@@ -120,8 +120,8 @@ class LLM:
         self.model.eval()
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   max_num_batched_tokens or max(self.max_model_len, 2048),
-                                   continuous=features.continuous_batching)
+                                   _token_budget(max_num_batched_tokens, features, max_num_seqs, self.max_model_len),
+                                   continuous=features.continuous_batching, chunked=features.chunked_prefill)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, features)
         self.sampler = Sampler(device)
         self.steps: list[StepRecord] = []  # the last generate()'s steps
@@ -244,7 +244,13 @@ class LLM:
         started = time.perf_counter()
         if self.check_kernels:
             check_step(seqs, list(self.scheduler.running), self.block_manager, is_prefill)
-        if is_prefill:
+        chunks = self.scheduler.chunks if is_prefill and self.features.chunked_prefill else None
+        if chunks is not None:  # a mixed step: only the sequences whose chunk ends their tokens get one
+            out = self.runner.prefill(seqs, [chunks[s.seq_id] for s in seqs])
+            new_tokens = sum(end - start for start, end in chunks.values())
+            cached = sum(s.num_cached_tokens for s in seqs if chunks[s.seq_id][0] == s.num_cached_tokens > 0)
+            seqs = [s for s in seqs if chunks[s.seq_id][1] == len(s)]
+        elif is_prefill:
             out = self.runner.prefill(seqs)
         else:
             rows = {seq.seq_id: row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
@@ -252,8 +258,9 @@ class LLM:
         tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params for s in seqs], greedy=out.greedy,
                               check_all=self.check_kernels)
         self._keep_logprobs(seqs, out.logits, tokens)
-        cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
-        new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
+        if chunks is None:
+            cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
+            new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
         for seq in seqs:
             seq.token_ids.append(PENDING)
         running = self.scheduler.running
@@ -338,6 +345,23 @@ class LLM:
     def num_blocks_in_use(self) -> int:
         """Blocks held by sequences (0 after every generate: nothing leaks). Idle prefix-cache blocks are free."""
         return self.block_manager.num_used
+
+
+def _token_budget(max_num_batched_tokens: int | None, features: Features, max_num_seqs: int,
+                  max_model_len: int) -> int:
+    """The step's token budget. Prefill-first by default fits any prompt (a lone prompt always runs); chunked
+    prefill by default takes vLLM's online serving budget, 2048. Chunked, the budget must hold a token for every
+    seat: the decodes go first, and a prompt in progress must still get one."""
+    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                               or isinstance(max_num_batched_tokens, bool) or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+    if not features.chunked_prefill:
+        return max_num_batched_tokens or max(max_model_len, 2048)
+    budget = max_num_batched_tokens or max(2048, max_num_seqs)
+    if budget < max_num_seqs:
+        raise ValueError(f"with chunked_prefill, max_num_batched_tokens ({budget}) must be at least max_num_seqs "
+                         f"({max_num_seqs}): every running decode takes one token of each step's budget")
+    return budget
 
 
 def resolve_dtype(dtype) -> torch.dtype:

@@ -268,24 +268,26 @@ class ModelRunner:
 
     # --- prefill -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> StepOutput:
+    def prefill(self, seqs: list[Sequence], chunks: list[tuple[int, int]] | None = None) -> StepOutput:
         """Compute every sequence's uncached tokens; return the logits of each one's last token, (B, vocab), and
-        its greedy token."""
-        lone = seqs[0] if len(seqs) == 1 and not seqs[0].num_cached_tokens else None
+        its greedy token. ``chunks`` (chunked prefill): each sequence's token range [start, end) instead, the
+        tokens before start already in the cache (a decode is the range of its last token); logits and greedy
+        tokens only for the sequences whose range ends at their last token, in order."""
+        lone = seqs[0] if len(seqs) == 1 and not seqs[0].num_cached_tokens and chunks is None else None
         bucket = lone and self.prefill_graphs and self.prefill_graphs.bucket(len(lone))
         if bucket:
             return self.prefill_graphs.run(lone, bucket)
         bs = self.block_size
+        chunks = chunks or [(seq.num_cached_tokens, len(seq)) for seq in seqs]
         ids, positions, slots, starts, lens = [], [], [], [0], []
-        for seq in seqs:
-            start, n = seq.num_cached_tokens, len(seq)
-            ids += seq.token_ids[start:]
+        for seq, (start, n) in zip(seqs, chunks):
+            ids += seq.token_ids[start:n]
             positions += range(start, n)
             slots += [seq.block_table[p // bs] * bs + p % bs for p in range(start, n)]
             starts.append(starts[-1] + n - start)
             lens.append(n)
         ctx = StepContext(True, self._tensor(slots, torch.int64), max_query_len=max(b - a for a, b in zip(starts, starts[1:])))
-        if any(seq.num_cached_tokens for seq in seqs):  # a cached prefix to read through the block table
+        if any(start for start, _ in chunks):  # a cached prefix to read through the block table
             ctx.block_table = self._table(seqs, width=max(len(seq.block_table) for seq in seqs))
             ctx.seq_lens = self._tensor(lens, torch.int32)
             ctx.query_starts = self._tensor(starts, torch.int32)
@@ -293,7 +295,8 @@ class ModelRunner:
             ctx.flash_groups = self._flash_groups(lens, starts)
         hidden = self.model(self._tensor(ids, torch.int64), self._tensor(positions, torch.int64), ctx,
                             self.k_caches, self.v_caches)
-        last = self._tensor([end - 1 for end in starts[1:]], torch.int64)
+        last = self._tensor([end - 1 for end, seq, (_, n) in zip(starts[1:], seqs, chunks) if n == len(seq)],
+                            torch.int64)
         logits = self.model.logits(hidden[last])
         return StepOutput(logits, greedy(logits, self.fused))
 

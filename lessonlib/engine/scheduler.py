@@ -22,6 +22,14 @@ declines (the engine then waits for the tokens and schedules as above) whenever 
 a request might be admitted (now, or once a sequence that ends by length has left), or a sequence needs a block and
 none is free.
 
+*Chunked prefill* (``chunked=True``, the engine's ``chunked_prefill``; vLLM V1's default, Sarathi-Serve): a step
+is no longer prefill or decode but one mixed batch under a token budget (``max_num_batched_tokens``). The running
+decodes go first, one token each; the budget left goes to prompts in arrival order (:func:`prompt_chunks`), the one
+in progress first, then waiting ones while a seat, the blocks of their whole prompt and some budget are free. A
+prompt may so take several steps; its first token is sampled after its last chunk. A prompt's blocks are allocated
+at admission, but a block joins the prefix cache only once the step that writes it is scheduled; a preempted prompt
+starts over. Each scheduled sequence's token range is in :attr:`Scheduler.chunks`.
+
 ``continuous=False`` is *static batching*, the ladder's rung below continuous batching: waiting requests are admitted
 only when no sequence is running, so a batch runs until its longest request ends and the seats of the finished ones
 stay empty meanwhile.
@@ -47,11 +55,24 @@ def can_admit(prompt_blocks: int, cached_idle_blocks: int, cached_busy_blocks: i
     return running < max_num_seqs and fits_budget and take <= free_blocks
 
 
+def prompt_chunks(num_decodes: int, prompt_tokens_left: list[int], max_num_batched_tokens: int) -> list[int]:
+    """The token-budget split of a chunked-prefill step (lesson 07's exercise): each running decode takes one token
+    first, then each prompt, in order, takes as many of its tokens left as the budget still holds (0 once spent)."""
+    budget, chunks = max_num_batched_tokens - num_decodes, []
+    for left in prompt_tokens_left:
+        chunks.append(max(0, min(left, budget)))
+        budget -= chunks[-1]
+    return chunks
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 continuous: bool = True):
+                 continuous: bool = True, chunked: bool = False):
         self.blocks = block_manager
         self.continuous = continuous  # False: static batching, admission only when no sequence runs
+        self.chunked = chunked  # chunked prefill: mixed steps under the token budget
+        self.prefilling: dict[int, int] = {}  # seq_id -> tokens scheduled so far, for a prompt not yet all scheduled
+        self.chunks: dict[int, tuple[int, int]] = {}  # the last chunked step: seq_id -> token range [start, end)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -72,7 +93,10 @@ class Scheduler:
 
     def schedule(self) -> tuple[list[Sequence], bool]:
         """The next step's sequences and whether it is a prefill step. Blocks are allocated here, before the
-        step runs, so the step itself cannot run out."""
+        step runs, so the step itself cannot run out. Chunked prefill: a step with a prompt chunk is a prefill
+        step (the prefill path runs it, decodes as one-token chunks), one without is a decode step."""
+        if self.chunked:
+            return self._schedule_chunked()
         admitted, batched = [], 0
         may_admit = self.continuous or not self.running  # static batching: a new batch once the last one is done
         while self.waiting and may_admit and self.can_admit(self.waiting[0], len(self.running), batched):
@@ -100,12 +124,51 @@ class Scheduler:
         self.running.extend(scheduled)
         return scheduled, False
 
+    def _schedule_chunked(self) -> tuple[list[Sequence], bool]:
+        decodes = [seq for seq in self.running if seq.seq_id not in self.prefilling]
+        for seq in decodes:  # blocks for the decodes' tokens first; the latest admitted gives way
+            while seq.status is Status.RUNNING and not self.blocks.can_append(seq):
+                self.preempt(self.running.pop())
+            if seq.status is Status.RUNNING:
+                self.blocks.append(seq)
+        self.chunks = {s.seq_id: (len(s) - 1, len(s)) for s in self.running if s.seq_id not in self.prefilling}
+        prompts = [s for s in self.running if s.seq_id in self.prefilling]
+        sizes = prompt_chunks(len(self.chunks), [len(s) - self.prefilling[s.seq_id] for s in prompts],
+                              self.max_num_batched_tokens)
+        budget = self.max_num_batched_tokens - len(self.chunks) - sum(sizes)
+        may_admit = self.continuous or not self.running
+        while (budget and self.waiting and may_admit and len(self.running) < self.max_num_seqs
+               and self.blocks.can_allocate(self.waiting[0])):
+            seq = self.waiting.popleft()
+            self.blocks.allocate(seq, register=False)
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            self.prefilling[seq.seq_id] = seq.num_cached_tokens
+            prompts.append(seq)
+            sizes += prompt_chunks(0, [len(seq) - seq.num_cached_tokens], budget)
+            budget -= sizes[-1]
+        for seq, size in zip(prompts, sizes):
+            start = self.prefilling[seq.seq_id]
+            if size:
+                self.chunks[seq.seq_id] = (start, start + size)
+                for position in range(start, start + size):  # written by this step, before any later step reads
+                    self.blocks.register_written(seq, position)
+            if start + size == len(seq):
+                del self.prefilling[seq.seq_id]  # its last chunk: the step samples its first token
+            else:
+                self.prefilling[seq.seq_id] = start + size
+        seqs = [seq for seq in self.running if seq.seq_id in self.chunks]
+        return seqs, any(end - start > 1 or start < len(seq) - 1 for seq in seqs
+                         for start, end in [self.chunks[seq.seq_id]])
+
     def schedule_ahead(self, ends: Callable[[Sequence], bool]) -> list[Sequence]:
         """The next decode step, scheduled while the current step runs: every running sequence except those
         ``ends`` says its pending token finishes (by length; a stop token is only seen when the token arrives, so
         such a sequence runs one step too many and its extra token is dropped). Empty when the tokens must come
         first: the head of the queue could be admitted now, or a sequence ends by length (its seat and blocks free
         up, and the synchronous engine would admit at the next step), or the blocks the step needs are not free."""
+        if self.prefilling:
+            return []  # a prompt in progress: its next chunk needs a mixed step, scheduled with the tokens known
         batch = [seq for seq in self.running if not ends(seq)]
         if self.waiting and self.continuous and (len(batch) < len(self.running)
                                                  or self.can_admit(self.waiting[0], len(self.running), 0)):
@@ -117,6 +180,7 @@ class Scheduler:
         return batch
 
     def preempt(self, seq: Sequence) -> None:
+        self.prefilling.pop(seq.seq_id, None)  # a prompt in progress starts over
         self.blocks.free(seq)
         seq.status = Status.WAITING
         seq.num_preemptions += 1
@@ -137,4 +201,5 @@ class Scheduler:
             seq.finish_reason = "abort"
         self.running.clear()
         self.waiting.clear()
+        self.prefilling.clear()
         self.blocks.forget_prefix_cache()

@@ -34,7 +34,7 @@ from lessonlib.exercises.predictions import (check_causal_speedup, check_gather_
                                              check_swiglu_ratio)
 from lessonlib.exercises.rope_store_kv import (ROPE_CASES, ROPE_STORE_KV_CASES, check_rope_kernel,
                                                check_rope_store_kv_kernel, rope, rope_store_kv, rope_store_kv_bytes)
-from lessonlib.exercises.serving_engine import check_can_admit, check_top_p_filter
+from lessonlib.exercises.serving_engine import check_can_admit, check_prompt_chunks, check_top_p_filter
 from lessonlib.exercises.torch_compile import check_no_graph_break
 from lessonlib.exercises.triton_basics import (check_row_sum_kernel, check_scale_add_kernel, check_transpose_kernel,
                                                program_owners, row_sum, scale_add, transpose)
@@ -46,7 +46,8 @@ __all__ = ["ADD_RMS_NORM_SHAPES", "ExerciseFailed", "FLASH_DKDV_CASES", "FLASH_F
            "check_flash_attention", "check_flash_dkdv_kernel", "check_flash_forward_kernel", "check_free_sequence",
            "check_fused_backward", "check_gather_ratio", "check_graph_safe_decode_step", "check_graph_saving",
            "check_key_tile_bound", "check_no_graph_break", "check_online_softmax_update", "check_paged_decode_kernel",
-           "check_physical_slot", "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
+           "check_physical_slot", "check_prompt_chunks",
+           "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
            "check_row_sum_kernel", "check_scale_add_kernel", "check_swiglu", "check_swiglu_ratio",
            "check_top_p_filter", "check_transpose_kernel", "eager_decode_step", "flash_dkdv", "flash_forward",
            "flash_forward_config", "paged_decode", "program_owners", "rope", "rope_store_kv", "rope_store_kv_bytes",

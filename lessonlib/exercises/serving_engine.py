@@ -1,4 +1,5 @@
-"""Lesson 07's checkers (notebook 07_serving_engine): the scheduler's admission test and top-p filtering.
+"""Lesson 07's checkers (notebook 07_serving_engine): the scheduler's admission test, chunked prefill's token-budget
+split and top-p filtering.
 """
 
 from __future__ import annotations
@@ -75,3 +76,39 @@ def check_top_p_filter(fn) -> None:
             raise ExerciseFailed(f"top_p_filter({probs.tolist()[0][:5]}..., top_p={top_p.tolist()[0]:.3g}) gave "
                                  f"{got.tolist()[0][:5]}..., expected {want.tolist()[0][:5]}...: {hint}")
     print(f"✓ top_p_filter keeps the nucleus and renormalises ({len(cases)} cases)")
+
+
+def check_prompt_chunks(fn) -> None:
+    """``fn(num_decodes, prompt_tokens_left, max_num_batched_tokens) -> list[int]``: the token-budget split of a
+    chunked-prefill step (``lessonlib.engine.prompt_chunks``): each running decode takes one token first, then each
+    prompt in order takes as many of its tokens left as the budget still holds. Checked on the cases that tell the
+    likely mistakes apart, then on random steps."""
+    import random
+
+    from lessonlib.engine import prompt_chunks
+
+    hints = [
+        ((0, [100], 16), "a prompt longer than the budget gets the whole budget: the rest waits for later steps"),
+        ((0, [5], 16), "a prompt never takes more than its tokens left"),
+        ((4, [100], 16), "the running decodes take one token each first"),
+        ((0, [10, 10], 16), "prompts share one budget: each takes what the ones before it left"),
+        ((3, [7, 20, 4], 12), "in arrival order: the prompt in progress first"),
+        ((16, [30, 2], 16), "the decodes took the whole budget: no prompt runs this step (never a negative chunk)"),
+        ((2, [], 8), "no prompt waiting: an empty split"),
+    ]
+    rng = random.Random()
+    for _ in range(300):
+        budget = rng.randrange(1, 65)
+        hints.append(((rng.randrange(0, budget + 1), [rng.randrange(1, 80) for _ in range(rng.randrange(0, 5))],
+                       budget), "a random step"))
+    for (decodes, left, budget), hint in hints:
+        try:
+            got = fn(decodes, list(left), budget)
+        except NotImplementedError as e:
+            raise ExerciseFailed(f"prompt_chunks: not implemented yet ({str(e) or 'NotImplementedError'}). "
+                                 "Fill in the stub.") from None
+        want = prompt_chunks(decodes, left, budget)
+        if not isinstance(got, (list, tuple)) or [int(c) for c in got] != want:
+            raise ExerciseFailed(f"prompt_chunks({decodes}, {left}, {budget}) returned {got!r}, expected {want}: "
+                                 f"{hint}")
+    print(f"✓ prompt_chunks splits the budget as the engine does on {len(hints)} steps")

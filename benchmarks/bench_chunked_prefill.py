@@ -1,0 +1,62 @@
+"""One long prompt arriving among running decodes, prefill-first against chunked prefill (lesson 07): each step's
+wall time and which requests' tokens came out of it; TTFT and the decodes' inter-token gaps.
+
+    python benchmarks/bench_chunked_prefill.py --out lessonlib/results/chunked-prefill-h200.json
+    python benchmarks/bench_chunked_prefill.py --smoke --out lessonlib/results/chunked-prefill-cpu.json
+
+The GPU run: the random-weight Llama-3.2-1B-shaped model of bench_engine.py, bf16, every feature on but the one
+compared. ``--smoke`` on the CPU: a small random Llama (lessonlib.cases.chunked_prefill.CPU_MODEL), float32, the
+plain-PyTorch features (no Triton interpreter); on a GPU: the tiny model. lessonlib.cases.chunked_prefill holds the
+workload and the measurement.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from bench_engine import LLAMA_1B, TINY, build_checkpoint  # noqa: E402
+from lessonlib import bench, runtime  # noqa: E402
+from lessonlib.cases import chunked_prefill  # noqa: E402
+from lessonlib.engine import Features  # noqa: E402
+from lessonlib.engine.features import PLAIN_PYTORCH  # noqa: E402
+from lessonlib.measure import warm_up_gpu  # noqa: E402
+from lessonlib.results import Benchmark  # noqa: E402
+
+
+def main():
+    args = bench.parse_args(__doc__, "bench_chunked_prefill.py")
+    run = bench.Run(Benchmark.CHUNKED_PREFILL, smoke=args.smoke, check_only=args.check,
+                    dtype=runtime.dtype(cpu=torch.float32))
+    started = time.perf_counter()
+    warm_up_gpu()
+    gpu = runtime.on_gpu()
+    if not gpu:
+        torch.set_num_threads(1)  # steady step times on a shared CPU (two threads under load: 20x slower steps)
+    shape = (TINY if args.smoke else LLAMA_1B) if gpu else chunked_prefill.CPU_MODEL
+    features = Features() if gpu else replace(PLAIN_PYTORCH, continuous_batching=True)
+    folder = Path(tempfile.mkdtemp(prefix="bench-chunked-", dir=runtime.scratch_dir()))
+    try:
+        path = build_checkpoint(folder, shape, run.dtype)
+        sizes = chunked_prefill.SMOKE if args.smoke else chunked_prefill.FULL
+        chunked_prefill.measure(run, path, sizes, features, shape["vocab_size"])
+        run.notes["model"] = {"shape": shape, "weights": "random (torch.manual_seed(0))"}
+        run.notes["features"] = {k: v for k, v in vars(features).items() if k != "chunked_prefill"}
+        run.notes["sizes"] = sizes
+        run.notes["seconds"] = round(time.perf_counter() - started, 1)
+        run.save(args.out, {})
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
