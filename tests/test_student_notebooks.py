@@ -2,7 +2,6 @@
 
 import json
 import os
-import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -14,9 +13,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 import make_student_notebooks as gen  # noqa: E402
+from lessonlib.grading.exercise_format import CHECK_CALL, REPORTED_CHECK  # noqa: E402
 
 SOURCES = gen.sources()
-CHECK_CALL = re.compile(r"^check_\w+\(my_\w+\)\s*$", re.M)
 
 
 def solution_lines(path: Path) -> set[str]:
@@ -62,40 +61,37 @@ def test_strip_solutions_keeps_indentation_and_picks_the_stub():
         gen.strip_solutions("### BEGIN SOLUTION\nx = 1\n")
 
 
-RUNNER = r'''
-import linecache, re, sys, nbformat, matplotlib
-matplotlib.use("Agg")
-from lessonlib.exercises import ExerciseFailed
-path, pattern = sys.argv[1], sys.argv[2]
-check_call = re.compile(pattern, re.M)
-namespace = {"__name__": "__main__"}
-checked = 0
+# "Run all" as Colab runs it: a real kernel, stopping at the first cell that raises, whatever its tags say (Colab
+# ignores raises-exception; nbclient would honour it, so the tags are stripped). Prints each checker cell's reported
+# failure (the red line on stderr) and how many there were.
+RUNNER = r"""
+import json, sys, nbformat
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+path, folder = sys.argv[1], sys.argv[2]
+notebook = nbformat.read(path, as_version=4)
+for cell in notebook.cells:
+    cell.metadata.pop("tags", None)
+client = NotebookClient(notebook, timeout=600, allow_errors=False, kernel_name="python3",
+                        resources={"metadata": {"path": folder}})
+try:
+    client.execute()
+except CellExecutionError as e:
+    sys.exit(f"Run all stopped at a cell that raised:\n{str(e)[-3000:]}")
+reported = {}
+for cell in notebook.cells:
+    if cell.metadata.get("nbgrader", {}).get("grade"):
+        err = "".join(o.get("text", "") for o in cell.outputs if o.get("name") == "stderr")
+        reported[cell.metadata.nbgrader.grade_id] = [l for l in err.splitlines() if l.startswith("\x1b[31m✗ ")]
+print("REPORTED", json.dumps(reported))
+print("checks failed:", sum(len(lines) for lines in reported.values()))
+"""
 
 
-def run(source, index):
-    # Registered with linecache, as IPython does, so that inspect (and so Triton's compiler) finds the source.
-    filename = f"<cell-{index}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    exec(compile(source, filename, "exec"), namespace)
-
-
-for index, cell in enumerate(nbformat.read(path, as_version=4).cells):
-    if cell.cell_type != "code":
-        continue
-    if check_call.search(cell.source):
-        if "raises-exception" not in cell.metadata.get("tags", []):  # "Run all" in JupyterLab would stop here
-            sys.exit(f"a checker cell without the raises-exception tag: {cell.source.strip()}")
-        try:
-            run(cell.source, index)
-        except ExerciseFailed as e:
-            print("FAILED AS EXPECTED:", str(e).splitlines()[0])
-            checked += 1
-            continue
-        sys.exit(f"a stub passed its check: {cell.source.strip()}")
-    else:
-        run(cell.source, index)
-print("checks failed:", checked)
-'''
+def reported_failures(stdout: str) -> dict[str, list[str]]:
+    """The runner's {checker grade_id: its red lines}."""
+    line = next(line for line in stdout.splitlines() if line.startswith("REPORTED "))
+    return json.loads(line.removeprefix("REPORTED "))
 
 
 WITH_EXERCISES = [p for p in SOURCES if solution_lines(p)]
@@ -116,7 +112,7 @@ RUNNABLE = [p for p in WITH_EXERCISES if why_not_here(p) is None]
 
 def run_student_copy(student: Path) -> subprocess.CompletedProcess:
     try:
-        return subprocess.run([sys.executable, "-c", RUNNER, str(student), CHECK_CALL.pattern], capture_output=True,
+        return subprocess.run([sys.executable, "-c", RUNNER, str(student), str(student.parent)], capture_output=True,
                               text=True, cwd=student.parent, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
     except subprocess.TimeoutExpired as e:  # this copy's test fails, not every test of the module
         return subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", f"{student.name} ran past {e.timeout} s")
@@ -134,24 +130,68 @@ def student_runs() -> dict[str, subprocess.CompletedProcess]:
                                   pytest.param(p, marks=pytest.mark.skip(reason=why_not_here(p)))
                                   for p in WITH_EXERCISES], ids=lambda p: p.name)
 def test_stubs_fail_their_checks(path, student_runs):
-    """Run the student copy top to bottom (as a student who filled in nothing would, with "Run all"): each exercise
-    check fails, in a cell tagged raises-exception so that the run goes on, and the lesson runs to its end."""
-    student = gen.STUDENT_DIR / path.name
-    expected = len(CHECK_CALL.findall("\n".join(c.source for c in nbformat.read(student, as_version=4).cells)))
+    """Run the untouched student copy top to bottom as Colab's "Run all" does (stopping at the first cell that
+    raises, tags ignored): it reaches the end, and each checker cell shows exactly one failure, "not implemented
+    yet", naming the stub to write."""
+    student = nbformat.read(gen.STUDENT_DIR / path.name, as_version=4)
+    stubs = {c.metadata.nbgrader.grade_id: CHECK_CALL.search(c.source).group(2) for c in student.cells
+             if c.metadata.get("nbgrader", {}).get("grade")}
     result = student_runs[path.name]
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert f"checks failed: {expected}" in result.stdout
-    assert result.stdout.count("not implemented yet") == expected, result.stdout
+    assert f"checks failed: {len(stubs)}" in result.stdout
+    reported = reported_failures(result.stdout)
+    assert reported.keys() == stubs.keys()
+    for checker, lines in reported.items():
+        assert len(lines) == 1 and f"✗ {stubs[checker]}: " in lines[0] and "not implemented yet" in lines[0], lines
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
-def test_student_copy_tags_every_checker_cell_raises_exception(path):
-    """"Run all" must reach the end of an untouched student copy: JupyterLab goes on past a failing cell only when
-    it is tagged raises-exception. Only the checker cells are: a lesson cell that fails still stops the run."""
-    copy = gen.student_copy(nbformat.read(path, as_version=4))
-    for cell in copy.cells:
-        tagged = "raises-exception" in cell.metadata.get("tags", [])
-        assert tagged == bool(cell.metadata.get("nbgrader", {}).get("grade")), cell.source[:80]
+def test_student_checker_cells_report_and_instructor_ones_raise(path):
+    """The one difference between the copies at a checker cell: the instructor's is the plain call (it raises, so
+    nbval fails on a wrong solution or library kernel), the student's runs it inside ``reported`` (so Run all goes
+    on). No cell is tagged raises-exception: nothing relies on a tag that Colab ignores."""
+    instructor = nbformat.read(path, as_version=4)
+    copy = gen.student_copy(instructor)
+    for mine, theirs in zip(instructor.cells, copy.cells):
+        assert "raises-exception" not in theirs.metadata.get("tags", [])
+        if mine.metadata.get("nbgrader", {}).get("grade"):
+            call = CHECK_CALL.fullmatch(mine.source.strip())
+            assert call, mine.source
+            assert theirs.source == REPORTED_CHECK.format(stub=call.group(2), call=call.group(0))
+        elif mine.cell_type == "code":
+            assert "reported(" not in theirs.source
+
+
+def run_in_kernel(notebook: nbformat.NotebookNode, folder: Path):
+    """Run ``notebook`` in a fresh kernel, stopping at the first error as nbval and Colab do."""
+    from nbclient import NotebookClient
+
+    NotebookClient(notebook, timeout=300, allow_errors=False, kernel_name="python3",
+                   resources={"metadata": {"path": str(folder)}}).execute()
+
+
+def test_a_wrong_solution_fails_the_instructor_notebook_but_not_run_all_in_the_student_copy(tmp_path):
+    """Plant a wrong answer in lesson 03's first exercise (its set-up, that exercise, then a last cell): the
+    instructor notebook stops at the checker with ExerciseFailed, as nbval would; its student copy (the same wrong
+    answer, outside the solution markers, survives in it) shows the failure and runs on to the last cell."""
+    from nbclient.exceptions import CellExecutionError
+
+    notebook = nbformat.read(ROOT / "notebooks" / "03_paged_attention.ipynb", as_version=4)
+    setup = next(i for i, c in enumerate(notebook.cells) if "lessonlib.exercises import" in c.source)
+    solution = next(i for i, c in enumerate(notebook.cells) if c.metadata.get("nbgrader", {}).get("solution"))
+    cells = notebook.cells[: setup + 1] + notebook.cells[solution: solution + 2]
+    cells[-2].source = ("def my_physical_slot(position, block_table, block_size):\n"  # block and offset swapped
+                        "    return position % block_size, block_table[position // block_size]\n")
+    notebook.cells = cells + [nbformat.v4.new_code_cell('print("reached the last cell")')]
+    assert cells[-1].metadata.nbgrader.grade_id == "check_physical_slot"
+    with pytest.raises(CellExecutionError) as failed:
+        run_in_kernel(nbformat.from_dict(notebook), tmp_path)
+    assert failed.value.ename == "ExerciseFailed" and "check_physical_slot(my_physical_slot)" in str(failed.value)
+    student = gen.student_copy(notebook)
+    run_in_kernel(student, tmp_path)
+    shown = "".join(o.get("text", "") for o in student.cells[-2].outputs if o.get("name") == "stderr")
+    assert shown.startswith("\x1b[31m✗ my_physical_slot: ") and "not implemented" not in shown, shown
+    assert "reached the last cell" in student.cells[-1].outputs[0].text
 
 
 @pytest.mark.parametrize("path", WITH_EXERCISES, ids=lambda p: p.name)
@@ -167,4 +207,4 @@ def test_student_copies_keep_nbgrader_metadata_and_lock_the_checkers(path):
             assert "# YOUR CODE HERE" in c.source
         else:
             assert c.metadata["deletable"] is False and c.metadata["editable"] is False
-            assert CHECK_CALL.fullmatch(c.source.strip())
+            assert c.source.startswith(REPORTED_CHECK.split("{")[0])

@@ -31,6 +31,7 @@ import course_links
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from lessonlib.grading import BEGIN, END, exercises, strip_solutions, student_copy  # noqa: E402,F401
+from lessonlib.grading.exercise_format import CHECK_CALL  # noqa: E402
 
 SOURCE_DIR = ROOT / "notebooks"
 STUDENT_DIR = SOURCE_DIR / "student"
@@ -79,9 +80,6 @@ def nbgrader_course(folder: Path, notebooks: list[Path]) -> list[str]:
     return assignments
 
 
-CHECK_CALL = re.compile(r"^(check_\w+)\((my_\w+)\)\s*$")
-
-
 def mark_exercises(path: Path, points: float = 1) -> list[str]:
     """Give nbgrader's metadata to the exercise cells of an instructor notebook that lack it: the solution cell
     (grade_id: the ``my_...`` function it defines) and the checker cell ``check_x(my_x)`` under it (grade_id:
@@ -93,7 +91,7 @@ def mark_exercises(path: Path, points: float = 1) -> list[str]:
             continue
         if BEGIN in cell.source:
             solution = cell
-        call = CHECK_CALL.match(cell.source.strip())
+        call = CHECK_CALL.fullmatch(cell.source.strip())
         if not call or "nbgrader" in cell.metadata:
             continue
         checker, function = call.groups()

@@ -13,13 +13,14 @@ One module per lesson; every checker and launcher is re-exported here (``exercis
   :mod:`~lessonlib.exercises.torch_compile` (04), :mod:`~lessonlib.exercises.cuda_graphs` (05),
   :mod:`~lessonlib.exercises.vllm_blocks` (06), :mod:`~lessonlib.exercises.serving_engine` (07);
   :mod:`~lessonlib.exercises.predictions`: the "predict, then measure" items of 01, 02, 03 and 05 (one checker);
-* :mod:`~lessonlib.exercises._checking`: what they share (:class:`ExerciseFailed`, poisoned calls, the tolerance
-  check, the diagnosis of known kernel mistakes);
+* :mod:`~lessonlib.exercises._checking`: what they share (:class:`ExerciseFailed`; :func:`reported`, which shows
+  it in a student copy without stopping "Run all"; poisoned calls, the tolerance check, the diagnosis of known
+  kernel mistakes);
 * :mod:`~lessonlib.exercises._guards`: the guard zones every kernel exercise's tensors sit in, so that a missing
   mask is named instead of corrupting memory.
 """
 
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, reported
 from lessonlib.exercises.cuda_graphs import (GRAPH_SAFE_STEPS, check_graph_safe_decode_step,
                                              check_refresh_static_inputs, eager_decode_step)
 from lessonlib.exercises.flash_attention import (FLASH_FORWARD_CASES, check_flash_attention, check_flash_forward_kernel,
@@ -50,5 +51,5 @@ __all__ = ["ADD_RMS_NORM_SHAPES", "ExerciseFailed", "FLASH_DKDV_CASES", "FLASH_F
            "check_refresh_static_inputs", "check_rope_kernel", "check_rope_store_kv_kernel",
            "check_row_sum_kernel", "check_scale_add_kernel", "check_swiglu", "check_swiglu_ratio",
            "check_top_p_filter", "check_transpose_kernel", "eager_decode_step", "flash_dkdv", "flash_forward",
-           "flash_forward_config", "paged_decode", "program_owners", "rope", "rope_store_kv", "rope_store_kv_bytes",
-           "row_sum", "scale_add", "swiglu", "transpose"]
+           "flash_forward_config", "paged_decode", "program_owners", "reported", "rope", "rope_store_kv",
+           "rope_store_kv_bytes", "row_sum", "scale_add", "swiglu", "transpose"]

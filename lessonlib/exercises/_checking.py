@@ -12,6 +12,10 @@ the output NaN or zero: both are reported as "not implemented yet".
 
 from __future__ import annotations
 
+import os
+import sys
+from contextlib import contextmanager
+
 import torch
 
 from lessonlib import runtime
@@ -22,12 +26,31 @@ class ExerciseFailed(AssertionError):
     """The student's code does not (yet) meet the exercise's spec; the message says why.
 
     In IPython (Jupyter) the failure shows as its message alone, not as a traceback through lessonlib's checker:
-    the student's own error, where there is one, is named in the message. The exception is still raised, so the
-    cell fails, ``pytest.raises`` sees it, and the grader (:mod:`lessonlib.grading`) reads its name and message."""
+    the student's own error, where there is one, is named in the message. The exception is raised, so the cell
+    fails (an instructor notebook's nbval run too), ``pytest.raises`` sees it, and the grader
+    (:mod:`lessonlib.grading`) reads its name and message; a student copy's checker cell shows it instead
+    (:func:`reported`)."""
 
     def _render_traceback_(self) -> list[str]:
         lines = str(self).splitlines() or [""]
         return [f"\x1b[31m✗ {lines[0]}\x1b[0m", *lines[1:]]
+
+
+@contextmanager
+def reported(stub: str):
+    """A student copy's checker cell runs its check inside this: an :class:`ExerciseFailed` is written to stderr,
+    its first line in red and naming ``stub`` (what the student writes), and the cell ends without an error, so
+    "Run all" goes on to the lesson's later cells (which use lessonlib's own version) on Colab too, which stops at
+    the first cell that raises whatever its tags say. Any other exception propagates. Under nbgrader's autograde and
+    validate (``NBGRADER_EXECUTION`` set) the failure is raised, as nbgrader grades by it; lessonlib's grader runs
+    the instructor's plain checker cell instead."""
+    try:
+        yield
+    except ExerciseFailed as e:
+        if os.environ.get("NBGRADER_EXECUTION"):
+            raise
+        first, *rest = e._render_traceback_()
+        print(first.replace("✗ ", f"✗ {stub}: ", 1), *rest, sep="\n", file=sys.stderr)
 
 
 def _require_kernel(name: str, kernel, written_as: str) -> None:

@@ -3,6 +3,7 @@ checker cells ``check_x(my_x)``, both marked by nbgrader's cell metadata (see :m
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import nbformat
@@ -59,23 +60,33 @@ def lock(cell) -> None:
         cell.metadata["editable"] = False
 
 
-RAISES = "raises-exception"
+CHECK_CALL = re.compile(r"(check_\w+)\((my_\w+)\)")  # an instructor notebook's checker cell: check_x(my_x)
+# A student copy's checker cell: the same call, its failure shown rather than raised (lessonlib.exercises.reported).
+REPORTED_CHECK = """from lessonlib.exercises import reported  # an unsolved check is shown in red; "Run all" goes on
+with reported("{stub}"):
+    {call}"""
 
 
-def tag_checker(cell) -> None:
-    """Tag a checker cell ``raises-exception``: its check of an unsolved exercise fails (a one-line ExerciseFailed),
-    and "Run all" goes on past it (JupyterLab and Notebook 7 send such a cell with stop_on_error off; nbclient and
-    nbval allow its error), so later cells, which use lessonlib's own versions, still run. Grading is unchanged: the
-    grader runs its own copy of the checker and reads the error."""
-    if _nbgrader(cell).get("grade") and not _nbgrader(cell).get("solution"):
-        tags = cell.metadata.setdefault("tags", [])
-        if RAISES not in tags:
-            tags.append(RAISES)
+def report_checker(cell) -> None:
+    """Make a checker cell ``check_x(my_x)`` the student copy's :data:`REPORTED_CHECK`: a failed check is shown
+    (one red line naming ``my_x``) and the cell ends without an error, so "Run all" goes on to the later cells, which
+    use lessonlib's own versions, on Colab as in JupyterLab (Colab ignores the ``raises-exception`` tag). The
+    instructor notebook keeps the plain call, which raises: nbval fails on a wrong solution or library kernel.
+    Grading is unchanged: lessonlib's grader runs the instructor's checker cell, and nbgrader (which sets
+    ``NBGRADER_EXECUTION``) sees :func:`~lessonlib.exercises.reported` raise."""
+    meta = _nbgrader(cell)
+    if not meta.get("grade") or meta.get("solution"):
+        return
+    call = CHECK_CALL.fullmatch(cell.source.strip())
+    if call is None:
+        raise ValueError(f"checker cell {meta.get('grade_id')!r} is not one call check_x(my_x): {cell.source!r}")
+    cell.source = REPORTED_CHECK.format(stub=call.group(2), call=call.group(0))
 
 
 def student_copy(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
-    """The notebook a student gets: solutions stripped, outputs cleared, exercise cells locked, checker cells tagged
-    (:func:`tag_checker`); what ``nbgrader generate_assignment`` releases, less nbgrader's gradebook checksums."""
+    """The notebook a student gets: solutions stripped, outputs cleared, exercise cells locked, checker cells
+    reporting their failure (:func:`report_checker`); what ``nbgrader generate_assignment`` releases, less
+    nbgrader's gradebook checksums."""
     copy = nbformat.from_dict(notebook)
     for cell in copy.cells:
         if cell.cell_type == "code":
@@ -83,7 +94,7 @@ def student_copy(notebook: nbformat.NotebookNode) -> nbformat.NotebookNode:
             cell.outputs = []
             cell.execution_count = None
         lock(cell)
-        tag_checker(cell)
+        report_checker(cell)
     return copy
 
 
@@ -120,8 +131,9 @@ def configure_nbgrader(c) -> None:
     """Configure nbgrader for this course; a course folder's ``nbgrader_config.py`` calls it (written by
     ``tools/make_student_notebooks.py --nbgrader-course DIR``). nbgrader's own ClearSolutions would put a ``raise``
     inside the ``@triton.jit`` kernels of lesson 01, which does not compile on a GPU: the course's stub rule
-    (:func:`strip_solutions`) replaces it, and checker cells are tagged as :func:`tag_checker` tags them, so nbgrader
-    releases exactly the committed student copies."""
+    (:func:`strip_solutions`) replaces it, and checker cells become :func:`report_checker`'s, so nbgrader releases
+    exactly the committed student copies (its gradebook keeps that cell; its autograde sets ``NBGRADER_EXECUTION``,
+    under which the cell raises a failed check)."""
     from nbgrader.converters import GenerateAssignment
     from nbgrader.preprocessors import ClearSolutions, LockCells
 
@@ -134,10 +146,10 @@ def configure_nbgrader(c) -> None:
 
     # The trait's default() (its default_value is a Sentinel under traitlets 5.x: iterating it raised, nbgrader logged
     # the broken config and released with its own stubs, which the triton exercises of 02 and 03 exposed).
-    class CourseLockCells(LockCells):  # and tags the checker cells as student_copy does
+    class CourseLockCells(LockCells):  # and writes the checker cells as student_copy does
         def preprocess_cell(self, cell, resources, index):
             cell, resources = super().preprocess_cell(cell, resources, index)
-            tag_checker(cell)
+            report_checker(cell)
             return cell, resources
 
     default = GenerateAssignment.class_traits()["preprocessors"].default()

@@ -53,10 +53,12 @@ class NotebookReport:
 
 
 def _checker_call(exercises_: list[Exercise]) -> re.Pattern:
-    """A cell that is nothing but a checker call on the student's function: ``check_x(my_x)``. (A lesson cell
-    such as ``check_swiglu(ops.swiglu)``, the checker run on lessonlib's own kernel, is a lesson cell.)"""
+    """A cell that is nothing but a checker call on the student's function: ``check_x(my_x)``, or the student copy's
+    form of it (``REPORTED_CHECK``). (A lesson cell such as ``check_swiglu(ops.swiglu)``, the checker run on
+    lessonlib's own kernel, is a lesson cell.)"""
     calls = [rf"({re.escape(e.checker_id)})\s*\(\s*{re.escape(e.solution_id)}\s*\)" for e in exercises_]
-    return re.compile("|".join(calls))
+    reported = r"(?:from\s+lessonlib\.exercises\s+import\s+reported[^\n]*\n\s*with\s+reported\([^\n]*\):\s*)?"
+    return re.compile(reported + "(?:" + "|".join(calls) + ")")
 
 
 def plan(submission: nbformat.NotebookNode,
