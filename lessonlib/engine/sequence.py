@@ -74,7 +74,8 @@ class CompletionOutput:
     index: int
     text: str | None  # None when the checkpoint has no tokenizer
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token) or "length" (max_tokens, or the longest sequence the cache holds)
+    finish_reason: str | None  # "stop" (end-of-sequence token) or "length" (max_tokens, or the longest sequence the
+    # cache holds); None while a stream runs on
 
 
 @dataclass
@@ -85,3 +86,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    finished: bool = True  # False: a stream's output so far (AsyncLLM.generate)
