@@ -43,6 +43,8 @@ class AsyncLLM:
         self._to_add: list[str] = []
         self._to_abort: list[str] = []
         self._stepping = False  # a step runs in the worker thread: the engine's state must not change now
+        self._closed = False
+        self.num_aborted = 0  # requests stopped before they finished (abort, or a consumer that went away)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -53,6 +55,8 @@ class AsyncLLM:
         prompt or params raise here, before the engine sees the request."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
+        if self._closed:
+            raise RuntimeError("this AsyncLLM has been shut down")
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
         self.llm.make_sequence(prompt, params)  # the checks alone: raises before anything is queued
@@ -93,7 +97,11 @@ class AsyncLLM:
         for request_id in self._to_abort:
             stream = self._streams.pop(request_id, None)
             if stream is not None and stream.seq is not None:
-                self.llm.abort_request(stream.seq)
+                self.num_aborted += self.llm.abort_request(stream.seq)
+                # its last output, for a consumer still listening (an abort() from elsewhere)
+                stream.queue.put_nowait(self._output(request_id, stream.seq, stream.seq.output_token_ids, True))
+            elif stream is not None:
+                stream.queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted before it started"))
         self._to_abort.clear()
         for request_id in self._to_add:
             stream = self._streams.get(request_id)
@@ -108,7 +116,7 @@ class AsyncLLM:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._closed:
             self._apply_pending()
             if not self.llm.has_unfinished_requests():
                 self._wake.clear()
@@ -127,6 +135,7 @@ class AsyncLLM:
                 self._stepping = False
                 del self.llm.steps[:]  # a server runs for days: the step records are the offline lesson's
             self._publish()
+        self._apply_pending()  # shutdown's aborts
 
     def _publish(self) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -161,8 +170,12 @@ class AsyncLLM:
         return len(self.llm.scheduler.waiting) + len(self._to_add)
 
     async def shutdown(self) -> None:
-        for request_id in list(self._streams):
-            await self.abort(request_id)
-        if self._loop_task is not None:
-            self._loop_task.cancel()
+        """Abort every request (after the step running now, if any) and stop the stepping task and its thread."""
+        self._closed = True
+        self._to_abort.extend(self._streams)
+        if self._loop_task is not None and not self._loop_task.done():
+            self._wake.set()
+            await self._loop_task
+        else:
+            self._apply_pending()
         self._worker.shutdown(wait=True)

@@ -155,7 +155,7 @@ class _Stream:
             text = text.rstrip("\ufffd")
         delta, self.sent_text = text[len(self.sent_text):], max(text, self.sent_text, key=len)
         if out.finished:
-            self.metrics.finished.labels(**self.metrics._labels, finished_reason=completion.finish_reason).inc()
+            self.metrics.finished.labels(**self.metrics.labels, finished_reason=completion.finish_reason).inc()
         return delta, completion.finish_reason
 
     def _usage(self) -> dict:
@@ -173,12 +173,15 @@ class _Stream:
 
     async def events(self, outputs, usage: bool):
         """Server-sent events: a chunk per step that gave new text or finished, then usage (if asked), [DONE]."""
-        if self.chat:
-            yield _sse(self._chunk(None, None, first=True))
-        async for out in outputs:
-            delta, finish = self._delta(out)
-            if delta or out.finished:
-                yield _sse(self._chunk(delta, finish if out.finished else None))
+        try:
+            if self.chat:
+                yield _sse(self._chunk(None, None, first=True))
+            async for out in outputs:
+                delta, finish = self._delta(out)
+                if delta or out.finished:
+                    yield _sse(self._chunk(delta, finish if out.finished else None))
+        finally:  # a client that went away: its request is aborted as ``outputs`` closes (AsyncLLM.num_aborted)
+            await outputs.aclose()
         if usage:
             yield _sse({**self._chunk(None, None), "choices": [], "usage": self._usage()})
         yield "data: [DONE]\n\n"

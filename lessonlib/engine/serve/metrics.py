@@ -1,6 +1,7 @@
 """/metrics in Prometheus' text format (prometheus_client), vLLM's metric names under the ``lessonlib:`` prefix.
 
-Gauges are read from the engine when scraped (requests running and waiting, KV blocks used and in all); the
+Gauges are read from the engine when scraped (requests running and waiting, KV blocks used and in all, requests
+aborted); the
 latencies are observed per request as the server sends its tokens: time to first token (from the request's arrival)
 and inter-token latency (the gap between a stream's consecutive outputs, one per engine step that gave it tokens).
 """
@@ -8,6 +9,7 @@ and inter-token latency (the gap between a stream's consecutive outputs, one per
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from lessonlib.engine.async_llm import AsyncLLM
 
@@ -38,7 +40,8 @@ class Metrics:
                               registry=registry).labels(**labels)
         self.finished = Counter("lessonlib:request_success", "Requests finished, by reason",
                                 [*labels, "finished_reason"], registry=registry)
-        self._labels = labels
+        self.labels = labels
+        registry.register(_Aborted(engine, labels))
 
     def tokens(self, arrived: float, last: float | None, now: float, count: int) -> None:
         """``count`` new tokens of one request sent at ``now``; ``last``: when its previous tokens were sent (None:
@@ -53,3 +56,17 @@ class Metrics:
 
     def text(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Aborted:
+    """Requests the engine stopped before they finished, read from the engine when scraped (a client that went away
+    counts only once its request has really left the engine)."""
+
+    def __init__(self, engine: AsyncLLM, labels: dict):
+        self.engine, self.labels = engine, labels
+
+    def collect(self):
+        family = CounterMetricFamily("lessonlib:num_requests_aborted", "Requests aborted before they finished",
+                                     labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), self.engine.num_aborted)
+        yield family
