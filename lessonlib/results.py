@@ -52,11 +52,12 @@ class Benchmark:
     ENGINE = "engine"
     ATTENTION_LAUNCHES = "attention_launches"  # lesson 02: naive attention's kernels against one fused launch
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
+    SERVING = "serving"  # lesson 07: OpenAI-compatible servers under Poisson traffic (benchmarks/bench_serving.py)
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset()
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.SERVING})
 
 
 def recorded_name(benchmark: str, gpu: str = "h200") -> str:
@@ -92,6 +93,7 @@ class Op:
     LAUNCH_BOUND_ATTENTION = "attention at launch-bound sizes"  # tiny T: launches, not bytes, are the time
     LARGEST_BATCH = "largest batch that fits"  # the same KV memory, reserved as slabs or as blocks
     ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
+    SERVING = "online serving (Poisson arrivals)"  # TTFT, ITL, end-to-end latency and output tokens/s at a rate
 
 
 class Impl:
@@ -163,6 +165,10 @@ class Impl:
     RUNG_PAGED_DECODE = "+ paged decode"
     RUNG_CUDA_GRAPHS = "+ CUDA graphs"
     RUNG_CONTINUOUS_BATCHING = "+ continuous batching"
+    # serving: the servers under load
+    SERVER_CHUNKED_PREFILL = "lessonlib server, chunked prefill"
+    SERVER_NO_CHUNKED_PREFILL = "lessonlib server, no chunked prefill"
+    HF_SERVE = "transformers serve --continuous-batching"
     # paging_payoff: how the KV memory is reserved
     KV_SLABS = "contiguous slabs (max_model_len each)"
     KV_BLOCKS = "paged blocks (what is used)"

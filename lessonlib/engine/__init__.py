@@ -16,7 +16,9 @@ The folder tree is the architecture (nano-vllm's layout):
     model.py           the decoder on lessonlib.ops kernels; loading safetensors weights
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
     sampler.py         greedy, temperature, top-p, seeded
-    llm.py             LLM: generate(), add_request()/step()
+    llm.py             LLM: generate(), add_request()/step()/abort_request()
+    async_llm.py       AsyncLLM: an asyncio front, one stream of outputs per request, abort
+    serve/             an OpenAI-compatible HTTP server over AsyncLLM (imports the engine; the engine never imports it)
 """
 
 from lessonlib.engine.config import ModelConfig
