@@ -305,3 +305,4 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
     # each peer is in the file: measured, or with the reason it did not run
     assert {r["impl"] for r in recorded.records} == {Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL,
                                                      Impl.HF_SERVE}
+    assert plots.serving_latency(recorded).axes and plots.serving_latency(recorded, workload="shared prefix").axes
