@@ -29,8 +29,7 @@ def run_smoke(script: str, tmp_path) -> results.Results:
     return results.load(out)
 
 
-@pytest.mark.parametrize("name", ["fusion", "flash_attention", "paged_attention", "cuda_graphs", "headline", "engine",
-                                  "serving"])
+@pytest.mark.parametrize("name", ["fusion", "flash_attention", "paged_attention", "cuda_graphs", "headline", "engine"])
 def test_every_benchmark_imports_on_cpu_and_names_its_own_results_file(name):
     module = importlib.import_module(f"bench_{name}")
     assert callable(module.main)
