@@ -13,15 +13,18 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lessonlib import tiny_model
+from lessonlib import runtime, tiny_model
 from lessonlib.engine import LLM, SamplingParams
 from lessonlib.engine.async_llm import AsyncLLM
 from lessonlib.engine.features import PLAIN_PYTORCH
 
 
+DTYPE = runtime.dtype(cpu=torch.float32)  # float32 in the interpreter, 16 bits on a GPU (it refuses float32)
+
+
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(model=str(tiny_model.build()), dtype=torch.float32, max_num_seqs=2, num_blocks=24, max_model_len=128,
+    return LLM(model=str(tiny_model.build()), dtype=DTYPE, max_num_seqs=2, num_blocks=24, max_model_len=128,
                features=replace(PLAIN_PYTORCH, async_scheduling=True))
 
 
@@ -82,7 +85,9 @@ def test_a_cancelled_stream_frees_its_blocks_and_the_other_request_runs_on(llm):
     assert not first_cut.finished and cut_tokens < 70 and aborted == 1
     assert cut_seq.finish_reason == "abort" and cut_seq.block_table == [] and len(cut_seq.output_token_ids) < 70
     assert alone == kept_held < both, f"blocks in use: {both} with both, {alone} after the cut"
-    assert rest[-1].outputs[0].token_ids == kept_offline and rest[-1].finished
+    assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 30
+    if DTYPE == torch.float32:  # in 16 bits a batch of two and a lone request may part at a near-tie
+        assert rest[-1].outputs[0].token_ids == kept_offline
     assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
 
 

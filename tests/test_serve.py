@@ -30,7 +30,8 @@ from lessonlib.engine.serve.protocol import SAMPLING_FIELDS  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
-MAX_MODEL_LEN = 96
+MAX_MODEL_LEN = 384  # long enough that a stream cut early is still far from its end when the server notices
+NUM_BLOCKS = 32
 STARTUP_S = 180  # importing torch and transformers on a busy 2-core CI machine
 
 
@@ -45,7 +46,7 @@ def base_url():
     port = free_port()
     command = [sys.executable, "-m", "lessonlib.engine.serve", "--model", str(tiny_model.build()), "--host",
                "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
-               "--num-gpu-blocks-override", "24", "--max-num-seqs", "4", "--dtype", "float32", "--plain-pytorch"]
+               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "4", "--dtype", "auto", "--plain-pytorch"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
@@ -194,4 +195,4 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_served(client, base
         before.get("lessonlib:time_to_first_token_seconds_count", 0) == 1
     assert after["lessonlib:inter_token_latency_seconds_count"] - \
         before.get("lessonlib:inter_token_latency_seconds_count", 0) == n - 1
-    assert after["lessonlib:kv_blocks_total"] == 24 and after["lessonlib:num_requests_waiting"] == 0
+    assert after["lessonlib:kv_blocks_total"] == NUM_BLOCKS and after["lessonlib:num_requests_waiting"] == 0
