@@ -50,12 +50,12 @@ sys.path.insert(0, str(ROOT))
 from lessonlib import bench, tiny_model  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
 
-RATES = (1.0, 4.0, 16.0, 64.0)  # requests per second
-REQUESTS = 200  # per rate and workload
+RATES = (2.0, 8.0, 32.0, 128.0)  # requests per second
+REQUESTS = 100  # per rate and workload: about a minute of arrivals per workload and server, all rates together
 PROMPT_WORDS = (32, 512)  # prompt lengths, words of the course's text (about a token each), log-uniform
 OUTPUT_TOKENS = (16, 256)  # max_tokens, log-uniform
 SHARED_PREFIX_WORDS = 384  # the shared-prefix workload's common opening
-RATE_DEADLINE_S = 300.0
+RATE_DEADLINE_S = 120.0
 STARTUP_S = 600.0
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, architecture="llama")
 SMOKE = dict(rates=(2.0, 8.0), requests=4, prompt_words=(3, 12), output_tokens=(2, 4), shared_prefix_words=16,
@@ -138,7 +138,7 @@ async def run_rate(base_url: str, model: str, requests: list[Request], deadline_
     return {"ttft_ms": percentiles([r["ttft"] for r in finished if r["ttft"] is not None]),
             "itl_ms": percentiles([g for r in finished for g in r["itl"]]),
             "e2e_ms": percentiles([r["e2e"] for r in finished]),
-            "output_tokens_per_s": round(tokens / span, 2) if finished and span > 0 else None,
+            "output_tokens_per_s": round(tokens / span, 2) if finished and span > 0 else None, "output_tokens": tokens,
             "completed": len(finished), "failed": len(errors), "first_error": errors[0] if errors else None}
 
 
