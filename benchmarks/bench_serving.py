@@ -25,9 +25,9 @@ to answer is recorded with its error.
 
 ``--smoke`` (any machine, CPU included): the course's tiny model, the course's server with every kernel off
 (``--plain-pytorch``), a handful of short requests at two rates; the peer is started only with ``--smoke-peer``
-(transformers' server takes a minute to start on a busy CPU; there, with transformers 5.19 on CPU, it
-answered each streamed completion with status 200 and closed the stream without a chunk: recorded as failed requests
-with the server's log).
+(transformers' server takes a minute to start on a busy CPU; on a machine whose cores were shared with other
+heavy jobs it once answered each streamed completion with status 200 and closed the stream without a chunk, which is
+recorded as failed requests with the tail of the server's log; on a quieter machine it answered every request).
 """
 
 from __future__ import annotations
@@ -211,6 +211,10 @@ def serve_and_load(run: bench.Run, impl: str, command, extra: dict, model_name: 
     kinds = (("random", 0), ("shared prefix", sizes["shared_prefix_words"]))
     try:
         with Server(command, log) as server:
+            # Warm-up, not recorded: a server's first requests pay for compilation and lazy loading (transformers'
+            # first streamed answers on CPU took seconds longer than the later ones).
+            warm = workload(100.0, 4, sizes["prompt_words"], sizes["output_tokens"], 0, seed="warm-up")
+            asyncio.run(run_rate(server.url, model_name, warm, sizes["deadline_s"], extra))
             for kind, prefix in kinds:
                 for rate in sizes["rates"]:
                     requests = workload(rate, sizes["requests"], sizes["prompt_words"], sizes["output_tokens"],
