@@ -126,8 +126,8 @@ def test_models_lists_the_served_name(client):
 def unsupported_field() -> str | None:
     """A sampling field the API has and the engine's SamplingParams does not (yet)."""
     have = {f.name for f in dataclasses.fields(SamplingParams)}
-    return next((name for name in ("top_k", "min_p", "stop_token_ids") if name in SAMPLING_FIELDS and name not in have),
-                None)
+    return next((name for name in ("top_k", "min_p", "stop_token_ids", "logprobs")
+                 if name in SAMPLING_FIELDS and name not in have), None)
 
 
 @pytest.mark.parametrize("case", ["unknown model", "max_tokens 0", "prompt over the context",

@@ -76,7 +76,8 @@ class ChatCompletionRequest(_Request):
 
 def _requested(name: str, value) -> bool:
     """Whether a request asks for something by this field (an absent, empty or default value asks nothing)."""
-    return value not in (None, False, [], "") and not (name == "n" and value == 1)
+    absent = value is None or value is False or (isinstance(value, (list, str)) and not value)  # logprobs=0 asks
+    return not absent and not (name == "n" and value == 1)
 
 
 def sampling_params(request: _Request, prompt_tokens: int, max_model_len: int) -> SamplingParams:
@@ -85,7 +86,7 @@ def sampling_params(request: _Request, prompt_tokens: int, max_model_len: int) -
     values = {name: getattr(request, name, None) for name in SAMPLING_FIELDS}
     if isinstance(request, ChatCompletionRequest):
         values["max_tokens"] = request.max_completion_tokens or request.max_tokens
-        values["logprobs"] = request.top_logprobs if request.logprobs else None
+        values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
     if isinstance(values["stop"], str):
         values["stop"] = [values["stop"]]
     room = max_model_len - prompt_tokens
