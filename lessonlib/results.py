@@ -53,11 +53,12 @@ class Benchmark:
     ATTENTION_LAUNCHES = "attention_launches"  # lesson 02: naive attention's kernels against one fused launch
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
     CHUNKED_PREFILL = "chunked_prefill"  # lesson 07: one long prompt arriving among decodes, chunked or not
+    SERVING = "serving"  # lesson 07: OpenAI-compatible servers under Poisson traffic (benchmarks/bench_serving.py)
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL, Benchmark.SERVING})
 # Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
 RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 
@@ -96,6 +97,7 @@ class Op:
     LARGEST_BATCH = "largest batch that fits"  # the same KV memory, reserved as slabs or as blocks
     STEP_TIMELINE = "step timeline"  # lesson 07: each engine step's time and which requests' tokens came out
     ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
+    SERVING = "online serving (Poisson arrivals)"  # TTFT, ITL, end-to-end latency and output tokens/s at a rate
 
 
 class Impl:
@@ -170,6 +172,10 @@ class Impl:
     # chunked_prefill: how the scheduler fits a long prompt among running decodes (Features.chunked_prefill)
     PREFILL_FIRST = "prefill-first (whole prompt in one step)"
     CHUNKED_PREFILL = "chunked prefill (token budget shared with decodes)"
+    # serving: the servers under load
+    SERVER_CHUNKED_PREFILL = "lessonlib server, chunked prefill"
+    SERVER_NO_CHUNKED_PREFILL = "lessonlib server, no chunked prefill"
+    HF_SERVE = "transformers serve --continuous-batching"
     # paging_payoff: how the KV memory is reserved
     KV_SLABS = "contiguous slabs (max_model_len each)"
     KV_BLOCKS = "paged blocks (what is used)"

@@ -287,3 +287,21 @@ def test_the_profiled_ladder_run_covers_every_step_in_windows(monkeypatch):
     assert llm.num_blocks_in_use() == 0
     monkeypatch.undo()
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == expected  # the engine is left clean
+
+
+def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers(tmp_path):
+    pytest.importorskip("openai", reason="the serving benchmark drives the server with the openai client")
+    recorded = run_smoke("bench_serving.py", tmp_path)
+    assert recorded.benchmark == Benchmark.SERVING and "--smoke" in recorded.command
+    served = [r for r in recorded.select(op=Op.SERVING) if "error" not in r]
+    sizes = recorded.notes["sizes"]
+    assert {(r["shape"]["workload"], r["shape"]["rate"]) for r in served} == \
+        {(kind, rate) for kind in ("random", "shared prefix") for rate in sizes["rates"]}
+    for r in served:  # every request answered, its measurements ordered as percentiles are
+        assert r["completed"] == r["shape"]["requests"] and r["failed"] == 0 and r["output_tokens_per_s"] > 0
+        for metric in ("ttft_ms", "e2e_ms"):
+            assert 0 < r[metric]["p50"] <= r[metric]["p90"] <= r[metric]["p99"]
+    # each peer is in the file: measured, or with the reason it did not run
+    assert {r["impl"] for r in recorded.records} == {Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL,
+                                                     Impl.HF_SERVE}
+    assert plots.serving_latency(recorded).axes and plots.serving_latency(recorded, workload="shared prefix").axes

@@ -20,7 +20,9 @@ The folder tree is the architecture (nano-vllm's layout):
     outputs.py         finished sequences to RequestOutputs: stop strings on the text, logprobs, n samples
     chat.py            LLM.chat: conversations rendered with the chat template
     checks.py          check_kernels=True: block tables and slots checked before each step's kernels
-    llm.py             LLM: generate(), chat(), add_request()/step()
+    llm.py             LLM: generate(), chat(), add_request()/step()/abort_request()
+    async_llm.py       AsyncLLM: an asyncio front, one stream of outputs per request, abort
+    serve/             an OpenAI-compatible HTTP server over AsyncLLM (imports the engine; the engine never imports it)
 
 The engine alone: what lesson 07 runs on it (the tokens/s ladder, the scheduler simulation, the live checks) is in
 ``lessonlib.cases.serving_engine``, what it draws in ``lessonlib.plots.serving_engine``. Nothing here imports

@@ -168,6 +168,18 @@ class LLM:
         self.scheduler.add(seq)
         return seq
 
+    def abort_request(self, seq: Sequence) -> bool:
+        """Stop a request added with add_request: it leaves the scheduler and its KV blocks return to the pool now.
+        A step left running on the GPU that holds it drops its token (``_complete`` skips a finished sequence).
+        False if it had already finished."""
+        if seq.status is Status.FINISHED:
+            return False
+        while seq.token_ids and seq.token_ids[-1] == PENDING:
+            seq.token_ids.pop()
+        self.scheduler.abort(seq)
+        self.sampler.forget(seq.seq_id)
+        return True
+
     def has_unfinished_requests(self) -> bool:
         return not self.scheduler.is_finished() or self._in_flight is not None
 

@@ -193,6 +193,13 @@ class Scheduler:
         seq.finish_reason = reason
         self.running.remove(seq)
 
+    def abort(self, seq: Sequence) -> None:
+        """Drop one request, waiting or running: its blocks go back to the pool now."""
+        (self.running if seq.status is Status.RUNNING else self.waiting).remove(seq)
+        self.blocks.free(seq)
+        seq.status = Status.FINISHED
+        seq.finish_reason = "abort"
+
     def abort_all(self) -> None:
         """Free every sequence (after a failed step): the engine is empty and usable again."""
         for seq in [*self.running, *self.waiting]:

@@ -129,8 +129,9 @@ class CompletionOutput:
     index: int
     text: str | None  # None when the checkpoint has no tokenizer
     token_ids: list[int]
-    finish_reason: str  # "stop" (end-of-sequence token, stop token or string), "length" (max_tokens, or the longest
-    # sequence the cache holds) or "abort" (a failed step; or this request's probabilities were NaN/inf)
+    finish_reason: str | None  # "stop" (end-of-sequence token, stop token or string), "length" (max_tokens, or the
+    # longest sequence the cache holds) or "abort" (a failed step; or this request's probabilities were NaN/inf); None
+    # while a stream runs on
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it; None for eos or length
     # vLLM's form: one dict per generated token, {token_id: Logprob}, holding the sampled token and the
     # ``logprobs`` most likely ones; log-probabilities of the model's raw logits (before temperature, top-k, ...)
@@ -152,3 +153,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    finished: bool = True  # False: a stream's output so far (AsyncLLM.generate)

@@ -1,0 +1,77 @@
+"""``python -m lessonlib.engine.serve --model PATH``: the engine behind an OpenAI-compatible HTTP server (uvicorn).
+
+The flags are vLLM's (``vllm serve``) where the engine has the setting. Loopback by default, as vLLM's docs advise
+for a server with no authentication.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+from lessonlib.engine.features import PLAIN_PYTORCH, Features
+
+# The Features field that switches chunked prefill (lesson 07's chunked-prefill step). The one place that names it:
+# until Features has it, --enable-chunked-prefill / --no-enable-chunked-prefill is refused with a clear message.
+CHUNKED_PREFILL_SWITCH = "chunked_prefill"
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m lessonlib.engine.serve", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a local Llama or Qwen2 checkpoint folder")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
+    parser.add_argument("--dtype", default="auto", help="auto, float32, float16 or bfloat16")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks",
+                        help="the KV pool's size in blocks (default: what memory allows)")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--plain-pytorch", action="store_true",
+                        help="every course kernel off (the ladder's first rung): the CPU tests' fast server")
+    parser.add_argument("--uvicorn-log-level", default="warning")
+    args = parser.parse_args(argv)
+    if not Path(args.model).is_dir():
+        parser.error(f"--model {args.model}: not a folder (the server loads local checkpoints only)")
+    try:
+        args.features = features(args.enable_chunked_prefill, args.plain_pytorch)
+    except ValueError as error:
+        parser.error(str(error))
+    return args
+
+
+def features(chunked_prefill: bool | None, plain_pytorch: bool = False) -> Features:
+    """The engine's switches for this server: the defaults (or every kernel off), with chunked prefill as asked."""
+    base = PLAIN_PYTORCH if plain_pytorch else Features()
+    if chunked_prefill is None:
+        return base
+    if CHUNKED_PREFILL_SWITCH not in {f.name for f in dataclasses.fields(Features)}:
+        raise ValueError(f"--enable-chunked-prefill: this engine has no Features.{CHUNKED_PREFILL_SWITCH} yet")
+    return dataclasses.replace(base, **{CHUNKED_PREFILL_SWITCH: chunked_prefill})
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    import uvicorn
+
+    from lessonlib.engine import LLM
+    from lessonlib.engine.async_llm import AsyncLLM
+    from lessonlib.engine.serve.app import build_app
+
+    llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, num_blocks=args.num_blocks,
+              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
+              features=args.features)
+    engine = AsyncLLM(llm)
+    app = build_app(engine, args.served_model_name or args.model)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,198 @@
+"""The OpenAI-compatible server as a client sees it: the real process (``python -m lessonlib.engine.serve``) on a free
+loopback port, asked by the real ``openai`` client, streaming and not; each bad request gets its 4xx and OpenAI's
+error body and the server stays up; a client that disconnects mid-stream has its request aborted and its KV blocks
+freed; /metrics parses as Prometheus text.
+
+The server runs the tiny model with every course kernel off (``--plain-pytorch``): the HTTP layer is what is tested,
+and the interpreter would make each token cost a second. One server for the module; the fixture stops it.
+"""
+
+import dataclasses
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("fastapi", reason="the server is the optional 'serve' extra (pip install lessonlib[serve])")
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from lessonlib import tiny_model  # noqa: E402
+from lessonlib.engine.sequence import SamplingParams  # noqa: E402
+from lessonlib.engine.serve.protocol import SAMPLING_FIELDS  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL = "tiny"
+MAX_MODEL_LEN = 384  # long enough that a stream cut early is still far from its end when the server notices
+NUM_BLOCKS = 32
+STARTUP_S = 180  # importing torch and transformers on a busy 2-core CI machine
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def base_url():
+    port = free_port()
+    command = [sys.executable, "-m", "lessonlib.engine.serve", "--model", str(tiny_model.build()), "--host",
+               "127.0.0.1", "--port", str(port), "--served-model-name", MODEL, "--max-model-len", str(MAX_MODEL_LEN),
+               "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "4", "--dtype", "auto", "--plain-pytorch"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    server = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + STARTUP_S
+        while True:
+            if server.poll() is not None:
+                pytest.fail(f"the server exited with {server.returncode}:\n{server.stdout.read()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"the server did not answer /health within {STARTUP_S} s")
+            time.sleep(0.25)
+        yield url
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def metrics(base_url) -> dict[str, float]:
+    """Every sample of /metrics by name and labels (the model_name label left out), parsed by prometheus_client."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+            samples[sample.name + (f"{{{labels}}}" if labels else "")] = sample.value
+    return samples
+
+
+def random_prompt() -> str:
+    words = "attention key value block cache query tile softmax kernel decode prefill page".split()
+    return " ".join(random.choices(words, k=random.randrange(3, 12)))
+
+
+GREEDY = {"temperature": 0.0, "extra_body": {"ignore_eos": True}}
+
+
+def test_completions_streamed_and_whole_give_the_same_text(client):
+    prompt, n = random_prompt(), random.randrange(2, 6)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, **GREEDY)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, stream=True,
+                                            stream_options={"include_usage": True}, **GREEDY))
+    assert whole.choices[0].finish_reason == "length" and whole.usage.completion_tokens == n
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == n and chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_chat_completions_streamed_and_whole_give_the_same_text(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": random_prompt()}]
+    n = random.randrange(2, 6)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, **GREEDY)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, stream=True, **GREEDY))
+    assert whole.choices[0].message.role == "assistant" and whole.usage.completion_tokens == n
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def unsupported_field() -> str | None:
+    """A sampling field the API has and the engine's SamplingParams does not (yet)."""
+    have = {f.name for f in dataclasses.fields(SamplingParams)}
+    return next((name for name in ("top_k", "min_p", "stop_token_ids", "logprobs")
+                 if name in SAMPLING_FIELDS and name not in have), None)
+
+
+@pytest.mark.parametrize("case", ["unknown model", "max_tokens 0", "prompt over the context",
+                                  "max_tokens over the context", "negative temperature", "unsupported field"])
+def test_each_bad_request_gets_its_4xx_and_the_server_stays_up(client, case):
+    kwargs = {"model": MODEL, "prompt": random_prompt(), "max_tokens": 2}
+    status = 400
+    if case == "unknown model":
+        kwargs["model"], status = "no-such-model", 404
+    elif case == "max_tokens 0":
+        kwargs["max_tokens"] = 0
+    elif case == "prompt over the context":
+        kwargs["prompt"] = "attention " * MAX_MODEL_LEN
+    elif case == "max_tokens over the context":
+        kwargs["max_tokens"] = MAX_MODEL_LEN
+    elif case == "negative temperature":
+        kwargs["temperature"] = -0.5
+    else:
+        field = unsupported_field()
+        if field is None:
+            pytest.skip("SamplingParams has every sampling field the server maps")
+        kwargs["extra_body"] = {field: [1] if field == "stop_token_ids" else 1}
+    with pytest.raises(openai.APIStatusError) as raised:
+        client.completions.create(**kwargs)
+    error = raised.value.response.json()["error"]
+    assert raised.value.status_code == status and set(error) == {"message", "type", "param", "code"}
+    assert error["message"]
+    good = client.completions.create(model=MODEL, prompt=random_prompt(), max_tokens=1)
+    assert good.usage.completion_tokens == 1
+
+
+@pytest.mark.parametrize("body", [b"{not json", b'{"model": "tiny"}', b'{"model": "tiny", "prompt": 3}'])
+def test_a_malformed_body_gets_a_400_with_the_error_body(base_url, body):
+    answer = httpx.post(f"{base_url}/v1/completions", content=body, headers={"content-type": "application/json"},
+                        timeout=10)
+    assert answer.status_code == 400 and set(answer.json()["error"]) == {"message", "type", "param", "code"}
+    assert httpx.get(f"{base_url}/health", timeout=10).status_code == 200
+
+
+def test_a_client_that_disconnects_mid_stream_has_its_request_aborted(base_url):
+    before = metrics(base_url)
+    body = {"model": MODEL, "prompt": "attention kernel", "max_tokens": MAX_MODEL_LEN - 10, "stream": True,
+            "temperature": 0.0, "ignore_eos": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=30) as answer:
+        lines = answer.iter_lines()
+        first = next(line for line in lines if line.startswith("data: "))
+        assert json.loads(first[len("data: "):])["choices"][0]["finish_reason"] is None
+        assert metrics(base_url)['lessonlib:kv_blocks_used'] > 0
+    # The connection is closed: the server notices, aborts the request in the engine and frees its blocks.
+    aborted = "lessonlib:num_requests_aborted_total"
+    deadline = time.monotonic() + 30
+    while (now := metrics(base_url))[aborted] == before[aborted] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert now[aborted] == before[aborted] + 1, "the request ran on after its client left"
+    assert now["lessonlib:num_requests_running"] == 0 and now["lessonlib:kv_blocks_used"] == 0
+
+
+def test_metrics_parse_as_prometheus_text_and_count_what_was_served(client, base_url):
+    before = metrics(base_url)
+    n = random.randrange(2, 5)
+    client.completions.create(model=MODEL, prompt=random_prompt(), max_tokens=n, **GREEDY)
+    after = metrics(base_url)
+    assert after["lessonlib:generation_tokens_total"] - before.get("lessonlib:generation_tokens_total", 0) == n
+    assert after["lessonlib:time_to_first_token_seconds_count"] - \
+        before.get("lessonlib:time_to_first_token_seconds_count", 0) == 1
+    assert after["lessonlib:inter_token_latency_seconds_count"] - \
+        before.get("lessonlib:inter_token_latency_seconds_count", 0) == n - 1
+    assert after["lessonlib:kv_blocks_total"] == NUM_BLOCKS and after["lessonlib:num_requests_waiting"] == 0
