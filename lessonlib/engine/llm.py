@@ -36,7 +36,7 @@ from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
 from lessonlib.engine.outputs import request_output, stop_reason
 from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
-from lessonlib.engine.scheduler import Scheduler
+from lessonlib.engine.scheduler import Scheduler, token_budget
 from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 
 CPU_POOL_BYTES = 64 * 2**20  # default KV pool on the CPU: the interpreter serves tiny models only
@@ -120,7 +120,7 @@ class LLM:
         self.model.eval()
         self.block_manager = BlockManager(num_blocks, block_size)
         self.scheduler = Scheduler(self.block_manager, max_num_seqs,
-                                   _token_budget(max_num_batched_tokens, features, max_num_seqs, self.max_model_len),
+                                   token_budget(max_num_batched_tokens, features, max_num_seqs, self.max_model_len),
                                    continuous=features.continuous_batching, chunked=features.chunked_prefill)
         self.runner = ModelRunner(self.model, num_blocks, block_size, self.max_model_len, max_num_seqs, features)
         self.sampler = Sampler(device)
@@ -357,23 +357,6 @@ class LLM:
     def num_blocks_in_use(self) -> int:
         """Blocks held by sequences (0 after every generate: nothing leaks). Idle prefix-cache blocks are free."""
         return self.block_manager.num_used
-
-
-def _token_budget(max_num_batched_tokens: int | None, features: Features, max_num_seqs: int,
-                  max_model_len: int) -> int:
-    """The step's token budget. Prefill-first by default fits any prompt (a lone prompt always runs); chunked
-    prefill by default takes vLLM's online serving budget, 2048. Chunked, the budget must hold a token for every
-    seat: the decodes go first, and a prompt in progress must still get one."""
-    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
-                                               or isinstance(max_num_batched_tokens, bool) or max_num_batched_tokens < 1):
-        raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
-    if not features.chunked_prefill:
-        return max_num_batched_tokens or max(max_model_len, 2048)
-    budget = max_num_batched_tokens or max(2048, max_num_seqs)
-    if budget < max_num_seqs:
-        raise ValueError(f"with chunked_prefill, max_num_batched_tokens ({budget}) must be at least max_num_seqs "
-                         f"({max_num_seqs}): every running decode takes one token of each step's budget")
-    return budget
 
 
 def resolve_dtype(dtype) -> torch.dtype:

@@ -210,3 +210,20 @@ class Scheduler:
         self.waiting.clear()
         self.prefilling.clear()
         self.blocks.forget_prefix_cache()
+
+
+def token_budget(max_num_batched_tokens: int | None, features: "Features", max_num_seqs: int,
+                  max_model_len: int) -> int:
+    """The step's token budget. Prefill-first by default fits any prompt (a lone prompt always runs); chunked
+    prefill by default takes vLLM's online serving budget, 2048. Chunked, the budget must hold a token for every
+    seat: the decodes go first, and a prompt in progress must still get one."""
+    if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                               or isinstance(max_num_batched_tokens, bool) or max_num_batched_tokens < 1):
+        raise ValueError(f"max_num_batched_tokens must be an int >= 1, got {max_num_batched_tokens!r}")
+    if not features.chunked_prefill:
+        return max_num_batched_tokens or max(max_model_len, 2048)
+    budget = max_num_batched_tokens or max(2048, max_num_seqs)
+    if budget < max_num_seqs:
+        raise ValueError(f"with chunked_prefill, max_num_batched_tokens ({budget}) must be at least max_num_seqs "
+                         f"({max_num_seqs}): every running decode takes one token of each step's budget")
+    return budget

@@ -92,7 +92,7 @@ async def _serve(request: Request, body, prompt, chat: bool):
     params = sampling_params(body, len(ids), engine.llm.max_model_len)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     outputs = engine.generate({"prompt_token_ids": ids}, params, request_id)  # starts on its first iteration
-    stream = _Stream(request_id, state, chat, len(ids), time.perf_counter())
+    stream = _Answer(request_id, state, chat, len(ids), time.perf_counter())
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(stream.events(outputs, usage), media_type="text/event-stream")
@@ -131,7 +131,7 @@ async def _unless_disconnected(request: Request, work):
             raise ApiError("the client disconnected", status=499, code="client_closed_request")
 
 
-class _Stream:
+class _Answer:
     """One request's answer: the deltas of its cumulative outputs, as OpenAI's chunks or one response."""
 
     def __init__(self, request_id: str, state, chat: bool, prompt_tokens: int, arrived: float):
