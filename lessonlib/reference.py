@@ -28,7 +28,7 @@ def dequant_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Ten
     """``x @ (weight_int8 * scales[:, None]).T``: a linear layer whose (N, K) weight is stored as int8 with one scale
     per output row (weight-only quantisation). Eager PyTorch converts the whole weight, scales it, then multiplies:
     three kernels and a full-size 16-bit weight written and read back."""
-    return x @ (weight_int8.to(x.dtype) * scales[:, None]).T
+    return F.linear(x, weight_int8.to(x.dtype) * scales[:, None])
 
 
 def absmax_normalize(x: torch.Tensor) -> torch.Tensor:
