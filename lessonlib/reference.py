@@ -31,6 +31,17 @@ def dequant_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Ten
     return F.linear(x, weight_int8.to(x.dtype) * scales[:, None])
 
 
+def quantise_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 quantisation of an (N, K) weight: ``scales = max|row| / 127`` (in the weight's
+    dtype; 1 for an all-zero row) and ``weight_int8 = round(weight / scales)``, so that
+    ``weight_int8 * scales[:, None]`` is the weight to within half a scale per element: what
+    :func:`dequant_matmul` takes."""
+    amax = weight.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    weight_int8 = torch.round(weight.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return weight_int8, scales
+
+
 def absmax_normalize(x: torch.Tensor) -> torch.Tensor:
     """``x / max|x|`` over the whole tensor (an all-zero x is returned unchanged): every element needs a statistic
     of every other element, the shape of reduction that a kernel cannot finish without a grid-wide barrier."""

@@ -52,11 +52,12 @@ class Benchmark:
     ENGINE = "engine"
     ATTENTION_LAUNCHES = "attention_launches"  # lesson 02: naive attention's kernels against one fused launch
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
+    FUSION_EXTRAS = "fusion_extras"  # lesson 01: bias_swiglu, dequant_matmul, absmax_normalize (a grid-wide barrier)
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset()
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.FUSION_EXTRAS})
 
 
 def recorded_name(benchmark: str, gpu: str = "h200") -> str:
@@ -92,6 +93,9 @@ class Op:
     LAUNCH_BOUND_ATTENTION = "attention at launch-bound sizes"  # tiny T: launches, not bytes, are the time
     LARGEST_BATCH = "largest batch that fits"  # the same KV memory, reserved as slabs or as blocks
     ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
+    BIAS_SWIGLU = "bias_swiglu"  # silu(gate + gate_bias) * (up + up_bias)
+    DEQUANT_MATMUL = "dequant_matmul"  # x @ (int8 weight * per-row scales).T
+    ABSMAX_NORMALIZE = "absmax_normalize"  # x / max|x|: a reduction every output needs, across all programs
 
 
 class Impl:
@@ -166,6 +170,10 @@ class Impl:
     # paging_payoff: how the KV memory is reserved
     KV_SLABS = "contiguous slabs (max_model_len each)"
     KV_BLOCKS = "paged blocks (what is used)"
+    # fusion_extras: dequant_matmul's unquantised peer, absmax_normalize's two ways around a grid-wide barrier
+    LINEAR_16BIT = "F.linear on the 16-bit weight (no quantisation)"
+    TWO_LAUNCHES = "lessonlib, two launches (the launch boundary is the barrier)"
+    ONE_PROGRAM = "lessonlib, one program (no barrier needed)"
     # headline's read ceiling
     SUM_READ = "sum (reads every byte once)"
     COPY_READ_WRITE = "copy (reads and writes half each)"

@@ -9,25 +9,15 @@ import torch
 
 from lessonlib import ops, reference, traffic
 from lessonlib.measure import count_launches
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib.testing import check_close, dequant_matmul_magnitude, poisoned_outputs, to_float64
 from tests.conftest import DEVICE, randn
 
 dequant_module = importlib.import_module("lessonlib.ops.dequant_matmul")
 
 
 def quantised(n, k, dtype):
-    """An int8 weight over the whole range and per-row scales of a symmetric quantiser (max|w| / 127) for weights
-    of size k ** -0.5: outputs of order |x|."""
-    weight = torch.randint(-127, 128, (n, k), dtype=torch.int8, device=DEVICE)
-    scales = (torch.rand(n, device=DEVICE) + 0.5) * k ** -0.5 / 127
-    return weight, scales.to(dtype)
-
-
-def magnitude(x, weight, scales):
-    """The largest sum of |terms| of an output, sum_k |x_mk| |w_nk| s_n: the float32 accumulation's and the 16-bit
-    reference's roundings scale with it, not with the (cancelling) result (as gemv's test)."""
-    terms = (x.double().abs() @ weight.double().abs().T) * scales.double().abs()
-    return terms.max().item() if terms.numel() else 0.0
+    """A random (N, K) weight of a linear layer (entries of size k ** -0.5), quantised per row to int8."""
+    return reference.quantise_int8(randn(n, k, dtype=dtype, scale=k ** -0.5))
 
 
 def check_dequant_matmul(x, weight, scales):
@@ -35,7 +25,7 @@ def check_dequant_matmul(x, weight, scales):
         out = ops.dequant_matmul(x, weight, scales)
     x64, s64 = to_float64(x, scales)
     check_close("dequant_matmul", out, reference.dequant_matmul(x64, weight, s64),
-                reference.dequant_matmul(x, weight, scales), magnitude=magnitude(x, weight, scales))
+                reference.dequant_matmul(x, weight, scales), magnitude=dequant_matmul_magnitude(x, weight, scales))
 
 
 @pytest.mark.parametrize("m, n, k", [(1, 1, 1), (1, 7, 33), (3, 100, 515), (16, 33, 70), (37, 20, 129)])
@@ -53,6 +43,16 @@ def test_dequant_matmul_reads_strided_rows(dtype):
     x = randn(5, 100, dtype=dtype)[:, :40]
     assert x.stride(0) == 100
     check_dequant_matmul(x, *quantised(24, 40, dtype))
+
+
+def test_quantise_int8_round_trips_within_half_a_scale(dtype):
+    weight = randn(33, 70, dtype=dtype)
+    weight[3] = 0  # an all-zero row keeps scale 1, not a division by zero
+    weight_int8, scales = reference.quantise_int8(weight)
+    assert weight_int8.dtype == torch.int8 and scales.dtype == dtype and scales[3] == 1
+    assert weight_int8.abs().amax(dim=1)[weight.abs().amax(dim=1) > 0].eq(127).all()  # each row uses the full range
+    error = (weight_int8.double() * scales.double()[:, None] - weight.double()).abs()
+    assert (error <= scales.double()[:, None] * (0.5 + 127 * torch.finfo(dtype).eps)).all()
 
 
 def test_dequant_matmul_empty():
