@@ -32,7 +32,7 @@ from lessonlib.testing import (check_close, dequant_matmul_magnitude, poisoned_o
 
 # (T, I) of the bias op; (N, K) of the quantised layer and its M; elements of the normalised tensor.
 SIZES = dict(bias=(8192, 14336), layer=(14336, 4096), tokens=(1, 16, 2048), elements=8192 * 4096)
-SMOKE_SIZES = dict(bias=(16, 384), layer=(96, 64), tokens=(1, 16), elements=5000)
+SMOKE_SIZES = dict(bias=(4, 384), layer=(96, 64), tokens=(1, 16), elements=5000)
 
 
 def randn(*shape, dtype, scale=1.0):
