@@ -9,7 +9,7 @@ block is resident at once). Two ways that are correct anyway, both here:
   reduces those few partials and scales. The launch boundary is the barrier: the second kernel starts after every
   program of the first has ended and its writes are visible. Cost: one more launch, and x read twice (3 passes).
 - ``strategy="one_program"``: a single program walks x twice (the maximum, then the scaling). No barrier is needed,
-  but one program runs on one SM: a hundredth of an H200's bandwidth.
+  but one program runs on one SM (an H200 has 132), and one SM cannot draw the whole GPU's bandwidth.
 
 The third way, one launch with a barrier built from an atomic counter (each program adds 1, then spins until the
 counter reaches the number of programs), is not here: it is correct only while every program is resident at once.

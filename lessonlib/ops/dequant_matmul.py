@@ -2,9 +2,9 @@
 
 Weight-only quantisation, the common decode case: the (N, K) weight is stored as int8, one float scale per output
 row (per output channel), activations stay 16-bit. At decode a linear layer's time is its weight read (see
-:mod:`lessonlib.ops.gemv`), so one byte per weight instead of two halves the time, if nothing reads 16 bits again.
+:mod:`lessonlib.ops.gemv`), so one byte per weight instead of two halves the bytes, if nothing reads 16 bits again.
 Eager PyTorch does: ``weight_int8.to(dtype)`` (reads N K bytes, writes 2 N K), ``* scales[:, None]`` (reads and
-writes 2 N K), then the GEMM (reads 2 N K): 7 N K bytes of weight traffic against the 2 N K of a plain 16-bit layer.
+writes 2 N K), then the GEMM (reads 2 N K): 9 N K bytes of weight traffic against the 2 N K of a plain 16-bit layer.
 The fused kernel reads each int8 tile once, converts it to x's dtype in registers (exact: every int8 is a float16),
 feeds ``tl.dot`` and applies the scales once per output column at the end, since
 ``sum_k x_mk (w_nk s_n) = s_n sum_k x_mk w_nk``: N K bytes of weight.
