@@ -18,6 +18,37 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, up_bias: torch.Tensor) -> torch.Tensor:
+    """silu(gate + gate_bias) * (up + up_bias): swiglu on the outputs of two Linear layers with a bias (the bias
+    added after the GEMM, as an unfused epilogue does). Eager PyTorch runs four kernels here."""
+    return F.silu(gate + gate_bias) * (up + up_bias)
+
+
+def dequant_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight_int8 * scales[:, None]).T``: a linear layer whose (N, K) weight is stored as int8 with one scale
+    per output row (weight-only quantisation). Eager PyTorch converts the whole weight, scales it, then multiplies:
+    three kernels and a full-size 16-bit weight written and read back."""
+    return F.linear(x, weight_int8.to(x.dtype) * scales[:, None])
+
+
+def quantise_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8 quantisation of an (N, K) weight: ``scales = max|row| / 127`` (in the weight's
+    dtype; 1 for an all-zero row) and ``weight_int8 = round(weight / scales)``, so that
+    ``weight_int8 * scales[:, None]`` is the weight to within half a scale per element: what
+    :func:`dequant_matmul` takes."""
+    amax = weight.abs().amax(dim=1)
+    scales = torch.where(amax > 0, amax / 127, torch.ones_like(amax))
+    weight_int8 = torch.round(weight.float() / scales.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return weight_int8, scales
+
+
+def absmax_normalize(x: torch.Tensor) -> torch.Tensor:
+    """``x / max|x|`` over the whole tensor (an all-zero x is returned unchanged): every element needs a statistic
+    of every other element, the shape of reduction that a kernel cannot finish without a grid-wide barrier."""
+    amax = x.abs().amax()
+    return x / torch.where(amax > 0, amax, torch.ones_like(amax))
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
          activation: str | None = None) -> torch.Tensor:
     """A linear layer, ``x @ weight.T + bias``; with ``activation="swiglu"`` the weight holds gate rows then up rows

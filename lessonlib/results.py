@@ -54,11 +54,13 @@ class Benchmark:
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
     CHUNKED_PREFILL = "chunked_prefill"  # lesson 07: one long prompt arriving among decodes, chunked or not
     SERVING = "serving"  # lesson 07: OpenAI-compatible servers under Poisson traffic (benchmarks/bench_serving.py)
+    FUSION_EXTRAS = "fusion_extras"  # lesson 01: bias_swiglu, dequant_matmul, absmax_normalize (a grid-wide barrier)
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL, Benchmark.SERVING})
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL, Benchmark.SERVING,
+                                                       Benchmark.FUSION_EXTRAS})
 # Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
 RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 
@@ -98,6 +100,9 @@ class Op:
     STEP_TIMELINE = "step timeline"  # lesson 07: each engine step's time and which requests' tokens came out
     ABSORBED = "absorbed into attention"  # the softmax scale and dropout, inside attention's kernel or beside it
     SERVING = "online serving (Poisson arrivals)"  # TTFT, ITL, end-to-end latency and output tokens/s at a rate
+    BIAS_SWIGLU = "bias_swiglu"  # silu(gate + gate_bias) * (up + up_bias)
+    DEQUANT_MATMUL = "dequant_matmul"  # x @ (int8 weight * per-row scales).T
+    ABSMAX_NORMALIZE = "absmax_normalize"  # x / max|x|: a reduction every output needs, across all programs
 
 
 class Impl:
@@ -179,6 +184,10 @@ class Impl:
     # paging_payoff: how the KV memory is reserved
     KV_SLABS = "contiguous slabs (max_model_len each)"
     KV_BLOCKS = "paged blocks (what is used)"
+    # fusion_extras: dequant_matmul's unquantised peer, absmax_normalize's two ways around a grid-wide barrier
+    LINEAR_16BIT = "F.linear on the 16-bit weight (no quantisation)"
+    TWO_LAUNCHES = "lessonlib, two launches (the launch boundary is the barrier)"
+    ONE_PROGRAM = "lessonlib, one program (no barrier needed)"
     # headline's read ceiling
     SUM_READ = "sum (reads every byte once)"
     COPY_READ_WRITE = "copy (reads and writes half each)"

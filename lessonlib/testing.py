@@ -213,6 +213,14 @@ def swiglu_grad_allowances(args, grads) -> dict[str, float]:
             "gate": unit * (g * up * s * (1 + gate.abs())).abs().max().item()}
 
 
+def dequant_matmul_magnitude(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> float:
+    """The largest sum of |terms| of a dequant_matmul output, max over (m, n) of sum_k |x_mk| |w_nk| s_n: the float32
+    accumulation's and the 16-bit reference's roundings scale with it, not with the (cancelling) result (check_close's
+    magnitude; gemv's test derives its tolerance the same way)."""
+    terms = (x.double().abs() @ weight_int8.double().abs().T) * scales.double().abs()
+    return terms.max().item() if terms.numel() else 0.0
+
+
 def gated_mlp_magnitude(mlp, x: torch.Tensor) -> float:
     """A gated MLP's output is down_proj(act), act = silu(gate_proj(x)) * up_proj(x): a sum over the intermediate
     size with random signs, whose roundings (FusedGatedMLP's and the reference's, in other orders) are those of its

@@ -85,6 +85,62 @@ def swiglu(tokens: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
     return OpTraffic("swiglu", {"T": tokens, "I": intermediate}, eager, fused)
 
 
+def bias_swiglu(tokens: int, intermediate: int, itemsize: int = 2) -> OpTraffic:
+    """silu(gate + gate_bias) * (up + up_bias): eager adds each bias in a kernel of its own before silu and mul."""
+    n, b = tokens * intermediate * itemsize, intermediate * itemsize
+    elems = tokens * intermediate
+    eager = Chain("eager", (
+        Kernel("add(gate, gate_bias)", n + b, n, elems),
+        Kernel("silu", n, n, 4 * elems),
+        Kernel("add(up, up_bias)", n + b, n, elems),
+        Kernel("mul", 2 * n, n, elems),
+    ))
+    fused = Chain("fused", (Kernel("bias_swiglu", 2 * n + 2 * b, n, 7 * elems),))
+    return OpTraffic("bias_swiglu", {"T": tokens, "I": intermediate}, eager, fused)
+
+
+def dequant_matmul(tokens: int, out_features: int, in_features: int, itemsize: int = 2) -> OpTraffic:
+    """x (M, K) @ (int8 weight (N, K) * scales (N,)).T. Eager converts the weight to x's dtype, scales it (a full
+    16-bit weight written twice and read twice), then multiplies; fused reads the int8 weight once. A plain 16-bit
+    layer (F.linear) reads M K + N K 16-bit elements: between the two."""
+    m, n, k = tokens, out_features, in_features
+    x, w8, w, s, y = m * k * itemsize, n * k, n * k * itemsize, n * itemsize, m * n * itemsize
+    flops = 2 * m * n * k
+    eager = Chain("eager", (
+        Kernel("weight.to(dtype)", w8, w, 0),
+        Kernel("* scales[:, None]", w + s, w, n * k),
+        Kernel("matmul", x + w, y, flops),
+    ))
+    fused = Chain("fused", (Kernel("dequant_matmul", x + w8 + s, y, flops + m * n),))
+    return OpTraffic("dequant_matmul", {"M": m, "N": n, "K": k}, eager, fused)
+
+
+def absmax_normalize(elements: int, itemsize: int = 2, programs: int = 1024,
+                     strategy: str = "two_launches") -> OpTraffic:
+    """x / max|x| over all of x. Eager: abs, amax, then a guard against an all-zero x (compare, a tensor of ones,
+    where) and the division. Fused, ``two_launches``: ``programs`` partial maxima (float32), then every program of
+    the scaling kernel reads them (L2, counted once) with x again; ``one_program``: one program reads x twice."""
+    n = elements * itemsize
+    one, flag = itemsize, 1
+    eager = Chain("eager", (
+        Kernel("abs", n, n, elements),
+        Kernel("amax", n, one, elements),
+        Kernel("amax > 0", one, flag, 1),
+        Kernel("ones_like", 0, one, 0),
+        Kernel("where", flag + 2 * one, one, 1),
+        Kernel("div", n + one, n, elements),
+    ))
+    if strategy == "one_program":
+        fused = Chain("one program", (Kernel("absmax_normalize, one program", 2 * n, n, 2 * elements),))
+    else:
+        partial = programs * FP32
+        fused = Chain("two launches", (
+            Kernel("partial maxima", n, partial, elements),
+            Kernel("reduce partials, scale", n + partial, n, elements + programs),
+        ))
+    return OpTraffic("absmax_normalize", {"n": elements}, eager, fused)
+
+
 def add_rms_norm(tokens: int, hidden: int, itemsize: int = 2) -> OpTraffic:
     elems = tokens * hidden
     n, f = elems * itemsize, elems * FP32

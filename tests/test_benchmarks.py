@@ -97,6 +97,19 @@ def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
     assert recorded.notes["launch_counts"]["counts"][Op.ADD_RMS_NORM][Impl.LESSONLIB]["total"] == 1
 
 
+def test_bench_fusion_extras_smoke_writes_a_results_file(tmp_path):
+    recorded = run_smoke("bench_fusion_extras.py", tmp_path)
+    assert recorded.benchmark == Benchmark.FUSION_EXTRAS and "--smoke" in recorded.command
+    for op, impls in ((Op.BIAS_SWIGLU, (Impl.LESSONLIB, Impl.EAGER, Impl.COMPILE)),
+                      (Op.DEQUANT_MATMUL, (Impl.LESSONLIB, Impl.EAGER, Impl.COMPILE, Impl.LINEAR_16BIT)),
+                      (Op.ABSMAX_NORMALIZE, (Impl.TWO_LAUNCHES, Impl.ONE_PROGRAM, Impl.EAGER, Impl.COMPILE))):
+        assert all(r["us"] > 0 for impl in impls for r in recorded.select(op=op, impl=impl)), op
+        assert {r["impl"] for r in recorded.select(op=op)} == set(impls), op
+    counts = recorded.notes["launch_counts"]["counts"]
+    assert counts[Op.ABSMAX_NORMALIZE][Impl.TWO_LAUNCHES] == 2 and counts[Op.ABSMAX_NORMALIZE][Impl.ONE_PROGRAM] == 1
+    assert counts[Op.BIAS_SWIGLU][Impl.LESSONLIB] == counts[Op.DEQUANT_MATMUL][Impl.LESSONLIB] == 1
+
+
 def test_committed_gpu_results_name_their_provenance_and_peers():
     recorded = results.load(recorded_name(Benchmark.FUSION))
     env = recorded.environment

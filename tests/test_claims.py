@@ -68,7 +68,8 @@ def test_quoted_claims_are_worded_as_their_notebook_quotes_them_and_point_at_a_c
 def test_a_claim_whose_records_are_missing_says_it_is_not_measured(monkeypatch):
     monkeypatch.setattr(recorded, "committed_run", lambda benchmark: None)
     for decide in (recorded.launch_cut, recorded.graph_cut, recorded.flex_paged,
-                   recorded.activation_mul, recorded.residual, recorded.softmax_scale, recorded.dropout):
+                   recorded.activation_mul, recorded.residual, recorded.softmax_scale, recorded.dropout,
+                   recorded.bias_activation_mul, recorded.dequant_matmul):
         verdict = decide()
         assert verdict.verdict.startswith("not yet measured on a GPU") and "--out lessonlib/results/" in verdict.verdict
 
@@ -166,3 +167,27 @@ def test_the_seventy_percent_verdict_follows_the_launch_bound_records(monkeypatc
     shares[Impl.LESSONLIB][16] = 0.36  # now the best cut is 64%: short of "up to 70%"
     verdict = recorded.launch_cut()
     assert verdict.verdict.startswith(f"does not hold: the largest cut measured is 64% ({Impl.LESSONLIB})"), verdict
+
+
+def _extras_run(us: dict) -> Results:
+    """A fusion-extras run: bias_swiglu at T=8192 and dequant_matmul at M=1 and 2048, times from ``us``."""
+    bias = [{"op": Op.BIAS_SWIGLU, "impl": impl, "shape": {"T": 8192, "I": 14336}, "dtype": "bfloat16", "us": t}
+            for impl, t in us["bias"].items()]
+    layer = [{"op": Op.DEQUANT_MATMUL, "impl": impl, "shape": {"M": m, "N": 14336, "K": 4096}, "dtype": "bfloat16",
+              "us": t} for m, peers in us["layer"].items() for impl, t in peers.items()]
+    return Results(Benchmark.FUSION_EXTRAS, "synthetic", {}, {}, bias + layer, {})
+
+
+def test_the_bias_and_dequantisation_verdicts_follow_the_records(monkeypatch):
+    fused, eager = random.uniform(100, 200), random.uniform(400, 600)
+    us = {"bias": {Impl.LESSONLIB: fused, Impl.EAGER: eager, Impl.COMPILE: fused * 1.1},
+          "layer": {1: {Impl.LESSONLIB: 20.0, Impl.EAGER: 80.0, Impl.LINEAR_16BIT: 30.0},
+                    2048: {Impl.LESSONLIB: 900.0, Impl.EAGER: 800.0, Impl.LINEAR_16BIT: 600.0}}}
+    monkeypatch.setattr(recorded, "committed_run", lambda benchmark: _extras_run(us))
+    bias = recorded.bias_activation_mul()
+    assert bias.verdict == "holds" and f"{eager / fused:.1f}x eager" in bias.measured and "1.10x torch.compile" in bias.measured
+    layer = recorded.dequant_matmul()
+    assert layer.verdict.startswith("holds at M=1; not at M=2048"), layer
+    assert "M=1: 4.0x eager, 1.50x F.linear on 16-bit weights" in layer.measured
+    us["bias"][Impl.LESSONLIB] = eager * 1.2  # the fused kernel measured behind eager: the verdict says so
+    assert recorded.bias_activation_mul().verdict.startswith("does not hold")

@@ -163,6 +163,10 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
       configuration.
     - paged_prefill_attention at D=128 in every dtype.
     - gemv: the qkv projection (with a bias) and gate_up with SwiGLU, the 16-bit dtypes taking turns.
+    - Lesson 01's further fusions, in the 16-bit dtypes (float32 changes no buffer of an element-wise kernel):
+      bias_swiglu (swiglu's configuration), absmax_normalize's three kernels at their largest block, and
+      dequant_matmul at decode (M <= 16) and prefill tiles; dequant_matmul's float32 path (an IEEE tl.dot) at the
+      prefill tile, its largest.
     - On sm_90 and newer, add_rms_norm, argmax and gemv with programmatic dependent launch, as launched there.
     ``thorough=True`` compiles every dtype for every case instead.
     """
@@ -179,6 +183,9 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     am = _sys.modules["lessonlib.ops.argmax"]
     pp = _sys.modules["lessonlib.ops.paged_prefill_attention"]
     gv = _sys.modules["lessonlib.ops.gemv"]
+    bs = _sys.modules["lessonlib.ops.bias_swiglu"]
+    dq = _sys.modules["lessonlib.ops.dequant_matmul"]
+    an = _sys.modules["lessonlib.ops.absmax_normalize"]
     from lessonlib.ops._common import pdl_supported
 
     given, profile = profile, profile or runtime.gpu_profile()  # given: None, as a launcher asks
@@ -281,6 +288,30 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
         out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
                         (dtype, f32, torch.int64, 128256, 128256, 4096), {**config, **pdl}, config=config))
+    # Lesson 01's further fusions: bias_swiglu at I=14336, absmax_normalize over 8192 x 4096 elements, and
+    # dequant_matmul's two tile shapes for a 4096 -> 14336 layer (float32 at the prefill tile only).
+    n = 8192 * 4096
+    for dtype in half:
+        config = bs.config(14336, given)
+        out.append(Case("bias_swiglu", bs._bias_swiglu_kernel, "I=14336", dtype,
+                        (dtype, dtype, dtype, dtype, dtype, 14336, 28672, 28672), config, config=config))
+        config = dict(BLOCK=an.block_for(n), num_warps=an.num_warps_for(an.block_for(n)))
+        out.append(Case("absmax_normalize", an._absmax_partials_kernel, f"n={n}", dtype, (dtype, f32, n), config,
+                        config=config))
+        out.append(Case("absmax_normalize", an._absmax_scale_kernel, f"n={n}", dtype,
+                        (dtype, f32, dtype, n, an.MAX_PARTIALS), dict(config, BLOCK_PARTIALS=an.MAX_PARTIALS),
+                        config=config))
+        out.append(Case("absmax_normalize", an._absmax_one_program_kernel, f"n={n}", dtype, (dtype, dtype, n), config,
+                        config=config))
+        for m in (16, 2048):
+            config = dq.config(m, 14336, 4096)
+            out.append(Case("dequant_matmul", dq._dequant_matmul_kernel, f"M={m} N=14336 K=4096", dtype,
+                            (dtype, torch.int8, dtype, dtype, m, 14336, 4096, 4096, 4096),
+                            dict(config, INPUT_PRECISION="tf32"), config=config))
+    config = dq.config(2048, 14336, 4096)
+    out.append(Case("dequant_matmul", dq._dequant_matmul_kernel, "M=2048 N=14336 K=4096", f32,
+                    (f32, torch.int8, f32, f32, 2048, 14336, 4096, 4096, 4096), dict(config, INPUT_PRECISION="ieee"),
+                    config=config))
     # gemv: Llama-3.2-1B's qkv projection (with a bias, as Qwen2's) and gate_up with SwiGLU, the 16-bit dtypes taking
     # turns (no shared memory: the tiles live in registers); PDL from sm_90.
     for i, (n, swiglu) in enumerate(((3072, False), (16384, True))):

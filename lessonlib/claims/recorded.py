@@ -80,6 +80,47 @@ def activation_mul() -> Verdict:
                    "holds for activation·mul; not measured here with a bias (the course's models have none)")
 
 
+def _extras(op: str) -> list[dict]:
+    run = committed_run(Benchmark.FUSION_EXTRAS)
+    return [] if run is None else run.select(op=op)
+
+
+def bias_activation_mul() -> Verdict:
+    """bias_swiglu's records (fusion-extras-h200); until they are committed, swiglu's (no bias) beside the notice."""
+    records = {r["impl"]: r for r in _extras(Op.BIAS_SWIGLU)}
+    if Impl.LESSONLIB not in records or Impl.EAGER not in records:
+        waiting = not_recorded(Benchmark.FUSION_EXTRAS, "bias_swiglu records")
+        without = activation_mul()
+        known = "" if without.verdict.startswith("not yet") else f"; without a bias: {without.measured}"
+        return Verdict(waiting.measured + known, waiting.verdict)
+    ours, shape = records[Impl.LESSONLIB]["us"], records[Impl.LESSONLIB]["shape"]
+    where = f"T={shape['T']}, I={shape['I']}"
+    compiled = records.get(Impl.COMPILE, {}).get("us")
+    versus = f", {compiled / ours:.2f}x torch.compile" if compiled else ""
+    speedup = records[Impl.EAGER]["us"] / ours
+    return Verdict(f"silu(gate + b)·(up + b) in one kernel: {speedup:.1f}x eager{versus} ({where})",
+                   "holds" if speedup > 1 else f"does not hold at {where}")
+
+
+def dequant_matmul() -> Verdict:
+    """dequant_matmul against eager dequantise-then-GEMM at each recorded M (fusion-extras-h200)."""
+    records = _extras(Op.DEQUANT_MATMUL)
+    ours = [r for r in records if r["impl"] == Impl.LESSONLIB and r["us"] is not None]
+    if not ours:
+        return not_recorded(Benchmark.FUSION_EXTRAS, "dequant_matmul records")
+    parts, gains = [], {}
+    for rec in ours:
+        shape = rec["shape"]
+        peers = {r["impl"]: r["us"] for r in records if r["shape"] == shape}
+        point = f"M={shape['M']}"
+        gains[point] = peers[Impl.EAGER] / rec["us"]
+        linear = peers.get(Impl.LINEAR_16BIT)
+        parts.append(f"{point}: {gains[point]:.1f}x eager" + (f", {linear / rec['us']:.2f}x F.linear on 16-bit weights"
+                                                            if linear else ""))
+    return Verdict(f"int8 weight ({ours[0]['shape']['N']}x{ours[0]['shape']['K']}) dequantised in registers: "
+                   + "; ".join(parts), in_range(gains, 1.0, float("inf")) + " (the fused kernel ahead of eager)")
+
+
 def residual() -> Verdict:
     speedup = _fused_vs_eager(Op.ADD_RMS_NORM, {"T": 8192, "H": 4096})
     if speedup is None:

@@ -15,9 +15,12 @@ from lessonlib import runtime
 
 runtime.mode()  # must run before any @triton.jit below: Triton reads TRITON_INTERPRET at kernel definition
 
+from lessonlib.ops.absmax_normalize import absmax_normalize  # noqa: E402
 from lessonlib.ops.add_rms_norm import add_rms_norm  # noqa: E402
 from lessonlib.ops.apply_rope import apply_rope  # noqa: E402
 from lessonlib.ops.argmax import argmax  # noqa: E402
+from lessonlib.ops.bias_swiglu import bias_swiglu  # noqa: E402
+from lessonlib.ops.dequant_matmul import dequant_matmul  # noqa: E402
 from lessonlib.ops.flash_attention import flash_attention  # noqa: E402
 from lessonlib.ops.gated_mlp import FusedGatedMLP  # noqa: E402
 from lessonlib.ops.gemv import gemv  # noqa: E402
@@ -27,5 +30,5 @@ from lessonlib.ops.rope_store_kv import rope_store_kv  # noqa: E402
 from lessonlib.ops.store_kv import store_kv  # noqa: E402
 from lessonlib.ops.swiglu import swiglu  # noqa: E402
 
-__all__ = ["add_rms_norm", "apply_rope", "argmax", "flash_attention", "gemv", "paged_attention", "paged_prefill_attention",
-           "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]
+__all__ = ["absmax_normalize", "add_rms_norm", "apply_rope", "argmax", "bias_swiglu", "dequant_matmul", "flash_attention",
+           "gemv", "paged_attention", "paged_prefill_attention", "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]
