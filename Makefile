@@ -25,9 +25,11 @@ lab:
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
 # Two pytest-xdist workers (CI has two cores; the interpreter runs Python on one). --dist loadfile keeps each file on
 # one worker: a notebook's cells share one kernel, and a module's fixtures (the compile targets, the grading runs)
-# run once. JOBS=0 runs everything in this one process.
+# run once. --no-loadscope-reorder hands files out in collection order: by default xdist starts with the files of
+# most tests, which would leave the slowest ones (few tests behind one long fixture, test_grading.py) for the end,
+# on one worker. JOBS=0 runs everything in this one process.
 JOBS ?= 2
-XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile)
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test:
 	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) $(XDIST) --durations=25
