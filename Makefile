@@ -23,9 +23,16 @@ lab:
 # Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared);
 # the 25 slowest listed at the end (CI time).
 NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-sanitize-with tests/nbval_sanitize.cfg
+# Two pytest-xdist workers (CI has two cores; the interpreter runs Python on one). --dist loadfile keeps each file on
+# one worker: a notebook's cells share one kernel, and a module's fixtures (the compile targets, the grading runs)
+# run once. --no-loadscope-reorder hands files out in collection order: by default xdist starts with the files of
+# most tests, which would leave the slowest ones (few tests behind one long fixture, test_grading.py) for the end,
+# on one worker. JOBS=0 runs everything in this one process.
+JOBS ?= 2
+XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
 test:
-	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) --durations=25
+	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) $(XDIST) --durations=25
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py

@@ -12,21 +12,18 @@ if [ "$vllm" = auto ]; then
     if command -v nvidia-smi >/dev/null 2>&1; then vllm=vllm; else vllm=cpu; fi
 fi
 
-if ! command -v chromium >/dev/null 2>&1; then
+# Debian's packages, each only when missing, in one apt-get call (its update alone takes a while): Chromium for the
+# real-browser test; bubblewrap, the sandbox each graded notebook runs in (lessonlib.grading; without it the grader
+# falls back to unshare, or warns that it runs submissions unsandboxed).
+missing=()
+command -v chromium >/dev/null 2>&1 || missing+=(chromium)
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+if [ ${#missing[@]} -gt 0 ]; then
     if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && apt-get install -y -qq chromium >/dev/null
+        apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
     else
-        echo "setup: Chromium is missing; the browser test will be skipped (install Debian's 'chromium')" >&2
-    fi
-fi
-
-# bubblewrap: the sandbox each graded notebook runs in (lessonlib.grading; without it the grader falls back to
-# unshare, or warns that it runs submissions unsandboxed).
-if ! command -v bwrap >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ]; then
-        apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null
-    else
-        echo "setup: bubblewrap is missing; the grader will use unshare or run unsandboxed (install Debian's 'bubblewrap')" >&2
+        echo "setup: ${missing[*]} missing: the browser test is skipped without chromium, and without bubblewrap the" \
+             "grader uses unshare or runs unsandboxed (install Debian's ${missing[*]})" >&2
     fi
 fi
 
