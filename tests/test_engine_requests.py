@@ -71,9 +71,11 @@ def test_bad_requests_and_configs_are_refused_before_anything_is_queued(path, ll
 
 def test_paged_attention_of_an_empty_batch_is_empty():
     heads, kv_heads, head_dim = 4, 2, 32
-    cache = torch.randn(3, 16, kv_heads, head_dim)
-    out = ops.paged_attention(torch.randn(0, heads, head_dim), cache, cache.clone(),
-                              torch.zeros(0, 2, dtype=torch.int32), torch.zeros(0, dtype=torch.int32))
+    device = runtime.device()  # the kernels' device: on a GPU, CPU tensors are refused before the batch is looked at
+    cache = torch.randn(3, 16, kv_heads, head_dim, device=device)
+    out = ops.paged_attention(torch.randn(0, heads, head_dim, device=device), cache, cache.clone(),
+                              torch.zeros(0, 2, dtype=torch.int32, device=device),
+                              torch.zeros(0, dtype=torch.int32, device=device))
     assert out.shape == (0, heads, head_dim)
 
 

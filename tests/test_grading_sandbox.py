@@ -361,3 +361,21 @@ def test_the_kernels_connection_file_is_handed_to_the_sandboxs_uid(tmp_path, mon
     info = (box.writable / "kernel.json").stat()
     assert (info.st_uid, info.st_gid) == (sandbox.SANDBOX_UID + 3,) * 2
     assert (box.writable.stat().st_uid, box.work.stat().st_uid) == (sandbox.SANDBOX_UID + 3,) * 2
+
+
+def test_a_private_temporary_folder_keeps_the_sandbox_as_the_graders_uid(tmp_path, monkeypatch):
+    # Seen on the lent GPU machine: with TMPDIR in pytest's private folder (mode 0700) the sandbox's uid could not
+    # enter the probe's folders, so unshare was judged unable to make its namespaces. The uid switch needs the
+    # temporary folder reachable by any uid; where it is not, the sandbox runs as the grader's uid, as without it.
+    import tempfile
+
+    private = tmp_path / "private"
+    private.mkdir()
+    os.chmod(private, 0o700)
+    assert not sandbox._reachable(private) and sandbox._reachable(Path("/"))
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    sandbox._open_to_others.cache_clear()
+    try:
+        assert sandbox._open_to_others() is False
+    finally:
+        sandbox._open_to_others.cache_clear()

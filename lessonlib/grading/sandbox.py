@@ -29,6 +29,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -76,8 +77,6 @@ def _probe(argv: list[str]) -> str | None:
 def choose(mode: str = "auto") -> tuple[str, str]:
     """(the mode that works here, why the others do not). ``mode`` names one; ``auto`` tries bwrap, then unshare.
     Each is tried by running ``python -c pass`` in a sandbox like a notebook's."""
-    import tempfile
-
     if mode not in MODES:
         raise ValueError(f"sandbox must be one of {MODES}, got {mode!r}")
     why = []
@@ -111,15 +110,19 @@ def _as_sandbox_user(slot: int) -> list[str]:
 
 @functools.lru_cache(maxsize=None)
 def _open_to_others() -> bool:
+    """Whether another uid can run this Python, read the checkout and reach the temporary folder (where the
+    sandbox's folders are made: a TMPDIR of mode 0700, as pytest's, keeps them from a uid of the sandbox's own)."""
     from lessonlib.grading.notebook_run import ROOT
 
     for target in (Path(os.path.realpath(sys.executable)), ROOT / "lessonlib" / "__init__.py"):
-        for folder in target.parents:
-            if not folder.stat().st_mode & 0o001:
-                return False
-        if not target.stat().st_mode & 0o004:
+        if not _reachable(target.parent) or not target.stat().st_mode & 0o004:
             return False
-    return True
+    return _reachable(Path(os.path.realpath(tempfile.gettempdir())))
+
+
+def _reachable(folder: Path) -> bool:
+    """Every folder from ``folder`` up to the root can be entered by any uid."""
+    return all(f.stat().st_mode & 0o001 for f in (folder, *folder.parents))
 
 
 def _limits(box: Box) -> list[str]:
