@@ -4,8 +4,8 @@
 
 Servers, each started here as its own process on the same model, on loopback, one at a time:
 ``python -m lessonlib.engine.serve`` with chunked prefill and without it (``--enable-chunked-prefill`` /
-``--no-enable-chunked-prefill``; while the engine has no such switch the chunked server is recorded with the error
-that says so), and transformers' own server, ``transformers serve --continuous-batching`` (it needs ``accelerate``).
+``--no-enable-chunked-prefill``: ``Features.chunked_prefill``), and transformers' own server,
+``transformers serve --continuous-batching`` (it needs ``accelerate``).
 The model: a Llama-3.2-1B-shaped random-weight checkpoint (hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192)
 with the course's tiny tokenizer (``lessonlib.tiny_model``: a 512-token vocabulary, so the output head is small and
 the text is nonsense; nothing downloaded), served in bfloat16.
