@@ -14,7 +14,8 @@ from lessonlib.engine.features import PLAIN_PYTORCH, Features
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lessonlib.engine.serve", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a local checkpoint folder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral)")
+    parser.add_argument("--model", required=True,
+                        help="a local checkpoint folder (Llama 2/3.x, Qwen2/2.5, Qwen3, Mistral)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--served-model-name", default=None, help="the name clients ask for (default: --model)")
