@@ -213,6 +213,22 @@ def swiglu_grad_allowances(args, grads) -> dict[str, float]:
             "gate": unit * (g * up * s * (1 + gate.abs())).abs().max().item()}
 
 
+def float32_sum_allowance(terms: torch.Tensor) -> float:
+    """The float32 roundings of a sum of many terms, in an order of the kernel's own (check_close's ``allowance``).
+    ``terms``: float64, (..., K), the K terms each output sums. Each step of a float32 sum rounds its partial sum
+    by up to half a unit (u) of that partial sum's size; the roundings have random signs, so they add in quadrature,
+    one standard deviation u * sqrt(sum_k S_k^2), S_k the running sum in K's order (the kernel's tiles take another
+    order of the same terms: the size of its partial sums is alike). ROUNDINGS units of eps (four u: four standard
+    deviations), at the worst output. The kernel's sum and the reference's (cuBLAS's) are two independent draws of
+    this size, which "twice the reference's error" does not cover (dequant_matmul in float32 on the H200: 0.70 of
+    that rule's tolerance at K = 515). In 16 bits it is a small fraction of one output rounding; TF32 products, the
+    float32 mistake to catch, still exceed the tolerance 20-150 times at K = 70-2,048 (measured, CPU)."""
+    if not terms.numel():
+        return 0.0
+    walk = terms.cumsum(-1).square().sum(-1).sqrt().max().item()
+    return ROUNDINGS * torch.finfo(torch.float32).eps * walk
+
+
 def dequant_matmul_magnitude(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> float:
     """The largest sum of |terms| of a dequant_matmul output, max over (m, n) of sum_k |x_mk| |w_nk| s_n: the float32
     accumulation's and the 16-bit reference's roundings scale with it, not with the (cancelling) result (check_close's

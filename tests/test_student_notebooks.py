@@ -120,8 +120,14 @@ def run_student_copy(student: Path) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def student_runs() -> dict[str, subprocess.CompletedProcess]:
-    """Every student copy run top to bottom, two at a time (CI has two cores; each run is one process)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
+    """Every student copy run top to bottom: two at a time on the CPU (CI has two cores; each run is one process),
+    one at a time on a GPU. A notebook sizes its problems (and lesson 07 its KV pool) by the card's memory budget,
+    three quarters of the card, as if it had the card to itself, which it does on Colab: two at once can run the card
+    out of memory (on the H200, 01's copy met another process holding 97 GiB: "CUDA out of memory ... 794.81 MiB
+    is free")."""
+    from lessonlib import runtime
+
+    with ThreadPoolExecutor(max_workers=1 if runtime.on_gpu() else 2) as pool:
         names = [p.name for p in RUNNABLE]
         return dict(zip(names, pool.map(run_student_copy, [gen.STUDENT_DIR / name for name in names])))
 
