@@ -57,12 +57,12 @@ class _Compiled:
         self.calls.append(("cached", launch))
 
 
-class _Kernel:
-    """Stands in for a JITFunction: Triton's real parameter list of ``fn``; ``kernel[grid](...)`` is recorded."""
+class _Kernel(triton.runtime.jit.JITFunction):
+    """A JITFunction of ``fn`` (Triton's own parameter list, hooks, globals) whose ``kernel[grid](...)`` records
+    the call and returns a stand-in compiled kernel instead of compiling."""
 
     def __init__(self, fn):
-        jit = triton.runtime.jit.JITFunction(fn)
-        self.params, self.pre_run_hooks, self.used_global_vals = jit.params, [], {}
+        super().__init__(fn)
         self.calls = []
         self.compiled = _Compiled(self.calls)
 
@@ -178,6 +178,21 @@ def test_a_cached_configuration_still_takes_the_plain_path_when(cached, monkeypa
     assert _kinds(kernel) == ["plain", "plain"]
 
 
+def test_an_autotuner_or_other_wrapper_is_never_cached(cached):
+    class Wrapper:  # what triton.autotune returns is not a JITFunction: it picks a config on each call
+        def __init__(self, kernel):
+            self.params, self.kernel = kernel.params, kernel
+
+        def __getitem__(self, grid):
+            return self.kernel[grid]
+
+    kernel = _Kernel(_swiglu_module._swiglu_kernel.fn)
+    wrapper, (args, meta) = Wrapper(kernel), _swiglu_call()
+    for _ in range(2):
+        _launcher.launch(wrapper, (3,), args, meta)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
 def test_kernels_whose_arguments_the_launcher_cannot_place_are_never_cached(cached):
     """A constexpr passed positionally (its value is not in the key) is left to Triton on every call."""
     kernel = _Kernel(_launcher._probe_kernel.fn)  # (x_ptr, out_ptr, n, scale, BLOCK, SHIFT=1)
@@ -185,6 +200,23 @@ def test_kernels_whose_arguments_the_launcher_cannot_place_are_never_cached(cach
     for _ in range(2):
         _launcher.launch(kernel, (1,), (x, x, 16, 0.5, 16), {})
     assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch):
+    """The probe launches and syncs, which a capture forbids: during one, launches are plain and nothing is decided."""
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not _launcher.works_here() and _launcher._decided == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    decisions = []
+    monkeypatch.setattr(_launcher, "_decide", lambda: decisions.append(1))  # None: the cached path works
+    assert _launcher.works_here() and _launcher.works_here() and decisions == [1]
+
+
+def test_the_environment_switch_turns_the_cached_path_off(monkeypatch):
+    monkeypatch.setenv(_launcher.ENV, "0")
+    assert _launcher._decide() == f"{_launcher.ENV}=0"
 
 
 # --- the plain path in the interpreter, and where the public ops dispatch --------------------------------------
