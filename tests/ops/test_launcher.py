@@ -8,6 +8,7 @@ import pytest
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
 
 from lessonlib import ops, reference, runtime
 from lessonlib.ops import _common, _launcher
@@ -123,6 +124,44 @@ def test_defaulted_constexprs_are_passed_in_signature_order(cached):
     for _ in range(2):
         _launcher.launch(kernel, (2,), args, {"BLOCK": 64, "ONE_PASS": True, "num_warps": 1})
     assert _kinds(kernel) == ["plain", "cached"] and kernel.calls[1][1][9:] == (*args, 64, True, False)
+
+
+class _RecordingCompiled(_Compiled):
+    """A stand-in compiled kernel for Triton's real JITFunction.run: its launch_metadata is Triton's own."""
+    name, src = "stand-in", None
+    launch_metadata = CompiledKernel.launch_metadata
+
+    def _init_handles(self):
+        pass
+
+
+@pytest.mark.parametrize("op", ["swiglu", "add_rms_norm"])
+def test_the_cached_launch_passes_what_tritons_own_launch_passes(cached, monkeypatch, op):
+    """Triton's real JITFunction.run (binder, defaults, cache, launch metadata), its compile stubbed to return a
+    recording kernel, against the cached launch of the same call: the same grid, stream, function, metadata and
+    arguments (constexprs and defaults in signature order), the launch metadata and hooks left out."""
+    monkeypatch.setattr(triton.runtime.driver, "_active", _StandInTarget())
+    if op == "swiglu":
+        kernel = triton.runtime.jit.JITFunction(_swiglu_module._swiglu_kernel.fn)
+        args, meta = _swiglu_call()
+    else:
+        kernel = triton.runtime.jit.JITFunction(_add_rms_norm_module._add_rms_norm_kernel.fn)
+        x, w = torch.empty(2, 64), torch.empty(64)
+        args, meta = (x, x, w, x, x, 64, 64, 64, 1e-6), {"BLOCK": 64, "ONE_PASS": True, "num_warps": 1}
+    calls = []
+    compiled = _RecordingCompiled(calls)
+    monkeypatch.setattr(kernel, "_do_compile", lambda *a, **k: compiled)
+    for _ in range(2):
+        _launcher.launch(kernel, (3, 2), args, meta)
+    (plain, cached_launch) = (launch for kind, launch in calls)
+    assert cached_launch[:6] == plain[:6] == (3, 2, 1, 1234, compiled.function, compiled.packed_metadata)
+    assert cached_launch[6:9] == (None, None, None)  # no launch hook set: nothing would read them
+    assert len(cached_launch) == len(plain) and all(a is b for a, b in zip(cached_launch[9:], plain[9:]))
+
+
+class _StandInTarget(_Driver):
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
 
 
 @pytest.mark.parametrize("change", ["misaligned pointer", "int becomes 1", "int past 32 bits", "int loses 16",
@@ -338,3 +377,9 @@ def test_repeat_calls_skip_tritons_binder(monkeypatch):
     for _ in range(3):
         ops.swiglu(gate, up)
     assert runs == []
+
+
+def test_this_tritons_launch_is_the_one_the_cache_repeats():
+    """JITFunction.run's launch call, read from this Triton's source (3.9 on CI; 3.6 on the GPU host, where
+    test_the_cached_path_is_on_here checks the whole probe)."""
+    assert _launcher._interface_problem() is None
