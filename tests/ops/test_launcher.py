@@ -311,7 +311,36 @@ def _public_calls(dtype):
     }
     if dtype in flash_attention_dtypes():
         calls["flash_attention"] = lambda: ops.flash_attention(q, q, q, causal=True)
-    return calls
+    return {**calls, **_paged_calls(dtype)}
+
+
+def _paged_calls(dtype):
+    """The KV-cache ops: the in-place writers on fresh copies of one cache (their output is the cache), then
+    attention through block tables over it."""
+    device = runtime.device()
+    k_cache, v_cache = randn(4, 16, 2, 64, dtype=dtype), randn(4, 16, 2, 64, dtype=dtype)  # 4 pages of 16 tokens
+    slots = torch.randperm(64, device=device)[:5]
+    k, v, qkv = randn(5, 2, 64, dtype=dtype), randn(5, 2, 64, dtype=dtype), randn(5, (4 + 2 * 2) * 64, dtype=dtype)
+    cos, sin = reference.rope_cos_sin(torch.arange(5, device=device), 64, dtype=dtype)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    seq_lens, starts = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([20, 9], [0, 3, 5]))
+    q_decode, q_prefill = randn(2, 4, 64, dtype=dtype), randn(5, 4, 64, dtype=dtype)
+
+    def store_kv():
+        kc, vc = k_cache.clone(), v_cache.clone()
+        ops.store_kv(k, v, kc, vc, slots)
+        return kc, vc
+
+    def rope_store_kv():
+        kc, vc = k_cache.clone(), v_cache.clone()
+        return ops.rope_store_kv(qkv, cos, sin, kc, vc, slots, num_heads=4, num_kv_heads=2), kc, vc
+
+    return {
+        "store_kv": store_kv, "rope_store_kv": rope_store_kv,
+        "paged_attention": lambda: ops.paged_attention(q_decode, k_cache, v_cache, table, seq_lens),
+        "paged_prefill_attention": lambda: ops.paged_prefill_attention(q_prefill, k_cache, v_cache, table, seq_lens,
+                                                                       starts, 3),
+    }
 
 
 @gpu_only
