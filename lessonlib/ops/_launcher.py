@@ -213,7 +213,8 @@ def _interface_problem() -> str | None:
 def specialization_samples(device) -> list:
     """Arguments around every boundary of Triton's specialization: ints at 1, multiples of 16 and the 32- and
     64-bit limits; tensors of two dtypes at every address offset mod 16; floats."""
-    ints = [v + d for v in (0, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16) for d in (-17, -16, -1, 0, 1, 15, 16)]
+    ints = [v + d for v in (0, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16)
+            for d in (-17, -16, -1, 0, 1, 15, 16)]
     ints = [v for v in ints if -(2**63) <= v < 2**64]
     base = torch.empty(64, dtype=torch.float32, device=device)
     tensors = [base.view(dtype)[offset:] for dtype in (torch.float16, torch.float32) for offset in range(9)]
@@ -231,7 +232,8 @@ def specialization_problem(backend, device) -> str | None:
         key = configuration_key(None, None, (a,), {})
         spec = native_specialize_impl(backend, a, False, True, True)
         if seen.setdefault(key, (spec, a))[0] != spec:
-            return f"triton {triton.__version__} specializes {seen[key][1]!r} and {a!r} differently; one key covers both"
+            return (f"triton {triton.__version__} specializes {seen[key][1]!r} and {a!r} differently; "
+                    "one key covers both")
     return None
 
 

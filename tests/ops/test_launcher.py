@@ -297,7 +297,8 @@ def _public_calls(dtype):
     cos, sin = reference.rope_cos_sin(torch.arange(9, device=runtime.device()), 64, dtype=dtype)
     weight = randn(33, 123, dtype=dtype)
     weight_int8 = torch.randint(-127, 128, (40, 64), dtype=torch.int8, device=runtime.device())
-    scales, gate_bias, up_bias, m = randn(40, dtype=dtype), randn(300, dtype=dtype), randn(300, dtype=dtype), randn(3, 64, dtype=dtype)
+    scales, m = randn(40, dtype=dtype), randn(3, 64, dtype=dtype)
+    gate_bias, up_bias = randn(300, dtype=dtype), randn(300, dtype=dtype)
     calls = {
         "swiglu": lambda: ops.swiglu(gate, up),
         "add_rms_norm": lambda: ops.add_rms_norm(x, r, w),
