@@ -358,15 +358,18 @@ def test_cached_and_plain_paths_give_identical_outputs(dtype):
 
 
 @gpu_only
-@pytest.mark.parametrize("first, then", [(96, 1), (1, 96), (96, 97), (97, 96)])
+@pytest.mark.parametrize("first, then", [(17, 1), (1, 17), (96, 97), (97, 96)])
 def test_no_wrong_hit_when_a_width_becomes_1_or_loses_its_16(first, then):
-    """swiglu at one width, then another whose n_cols Triton specializes differently (1 is a constant, a multiple
-    of 16 is marked divisible): the second must match the plain path, and a repeat must be cached."""
-    ops.swiglu(randn(2, first), randn(2, first))
+    """swiglu at one width, then another whose n_cols (and row stride) Triton specializes differently (1 is compiled
+    in as a constant, a multiple of 16 is marked divisible), one BLOCK for both so that only the ints differ: the
+    second must match the plain path, and a repeat (served from the cache) too."""
+    config = {"BLOCK": 128, "num_warps": 4}
+    forward = _swiglu_module.swiglu_forward
+    forward(randn(2, first), randn(2, first), config=config)
     gate, up = randn(2, then), randn(2, then)
     with _launcher.plain_launches():
-        plain = ops.swiglu(gate, up)
-    assert torch.equal(ops.swiglu(gate, up), plain) and torch.equal(ops.swiglu(gate, up), plain)
+        plain = forward(gate, up, config=config)
+    assert torch.equal(forward(gate, up, config=config), plain) and torch.equal(forward(gate, up, config=config), plain)
 
 
 @gpu_only
