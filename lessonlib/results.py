@@ -55,11 +55,12 @@ class Benchmark:
     CHUNKED_PREFILL = "chunked_prefill"  # lesson 07: one long prompt arriving among decodes, chunked or not
     SERVING = "serving"  # lesson 07: OpenAI-compatible servers under Poisson traffic (benchmarks/bench_serving.py)
     FUSION_EXTRAS = "fusion_extras"  # lesson 01: bias_swiglu, dequant_matmul, absmax_normalize (a grid-wide barrier)
+    PER_CALL = "per_call"  # issue 27: swiglu and add_rms_norm one call at a time, cached launch vs plain vs eager
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL, Benchmark.SERVING})
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL, Benchmark.SERVING, Benchmark.PER_CALL})
 # Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
 RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 
@@ -125,6 +126,10 @@ class Impl:
     OPS_ADD_RMS_NORM = "lessonlib.ops.add_rms_norm"
     ADD_RMS_NORM_LAUNCHER = "add_rms_norm_forward (the launcher alone)"
     ADD_RMS_NORM_CUSTOM_OP = "torch.ops.lessonlib.add_rms_norm (custom op dispatch)"
+    # per_call: the public op through each launch path (ops/_launcher.py), and add_rms_norm's eager peer
+    LESSONLIB_CACHED_LAUNCH = "lessonlib, cached launch"  # the compiled kernel's own launcher, binder skipped
+    LESSONLIB_PLAIN_LAUNCH = "lessonlib, plain kernel[grid] launch"  # Triton's JITFunction.run on every call
+    EAGER_ADD_F_RMS_NORM = "eager x + r, F.rms_norm"
     # gated_mlp
     FUSED_GATED_MLP = "lessonlib (gate_up GEMM + swiglu)"
     SHARE_SWIGLU = "of which: swiglu kernel"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lessonlib import bench, plots, results
+from lessonlib import bench, plots, results, runtime
+from lessonlib.ops import _launcher
 from lessonlib.results import Benchmark, Impl, Op, is_sweep, kernels_sweep_label, recorded_name, sweep_label
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -95,6 +96,23 @@ def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
     assert recorded.benchmark == Benchmark.FUSION and "--smoke" in recorded.command
     assert recorded.select(op=Op.SWIGLU, impl=Impl.LESSONLIB) and recorded.select(op=Op.LAUNCH_OVERHEAD)
     assert recorded.notes["launch_counts"]["counts"][Op.ADD_RMS_NORM][Impl.LESSONLIB]["total"] == 1
+
+
+def test_bench_per_call_smoke_times_each_launch_path_against_eager_in_both_orders(tmp_path):
+    import bench_per_call
+
+    recorded = run_smoke("bench_per_call.py", tmp_path)
+    assert recorded.benchmark == Benchmark.PER_CALL and "--smoke" in recorded.command
+    rounds = bench_per_call.SMOKE_ROUNDS
+    for op, eager in bench_per_call.EAGER.items():
+        for tokens in bench_per_call.SMOKE_TOKENS:
+            records = [r for r in recorded.select(op=op) if r["shape"]["T"] == tokens]
+            assert {r["impl"] for r in records} == {Impl.LESSONLIB_CACHED_LAUNCH, Impl.LESSONLIB_PLAIN_LAUNCH,
+                                                    Impl.BARE_LAUNCH, eager}, (op, tokens)
+            assert all(r["us"] > 0 and len(r["samples_us"]) == 2 * rounds for r in records)  # A B, then B A
+    assert set(recorded.notes["cached_over_eager"]) == {f"{op} T={t}" for op in bench_per_call.EAGER
+                                                       for t in bench_per_call.SMOKE_TOKENS}
+    assert recorded.notes["cached_launch"] == ("on" if runtime.on_gpu() else _launcher.why_not())
 
 
 def test_bench_fusion_extras_smoke_writes_a_results_file(tmp_path):

@@ -38,7 +38,8 @@ MODES = ("auto", "bwrap", "unshare", "none")
 SANDBOX_UID = 61000  # first uid of the sandboxed processes when the grader runs as root (one per job)
 ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH", "CUDA_VISIBLE_DEVICES", "VIRTUAL_ENV",
             "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TRITON_INTERPRET", "LESSONLIB_MODE", "LESSONLIB_GPU_PROFILE",
-            "LESSONLIB_PDL", "HF_HUB_OFFLINE")  # what a kernel needs from the grader's environment; nothing else
+            "LESSONLIB_PDL", "LESSONLIB_FAST_LAUNCH",
+            "HF_HUB_OFFLINE")  # what a kernel needs from the grader's environment; nothing else
 RISK = ("the grader runs submissions UNSANDBOXED ({why}): a notebook can write any file the grader's user can "
         "(the checkout, grades.csv), start processes that outlive it and reach the network. Install bubblewrap "
         "(apt-get install bubblewrap) or allow unprivileged user namespaces; --require-sandbox refuses to grade "

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
+from lessonlib.ops import _launcher
 
 try:  # grid dependency control (programmatic dependent launch): Triton 3.4 and newer
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -23,18 +24,22 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
     Raises TypeError for non-tensors and unsupported or mixed dtypes, ValueError for mixed devices, the wrong
     device for the current mode, and a last dimension that is not contiguous (the kernels read rows as one
     contiguous run of elements; the other dimensions may have any stride). The passing path is kept short: at
-    decode sizes a launcher's Python time *is* the op's time.
+    decode sizes a launcher's Python time *is* the op's time (a contiguous tensor skips the stride test; the dtype
+    and device are compared with the first tensor's, and only the first's dtype is looked up).
     """
-    supported = runtime.supported_dtypes()
-    first_name, first = next(iter(tensors.items()))
+    first = None
     for name, t in tensors.items():
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype is not first.dtype or t.dtype not in supported or t.device != first.device or (
-            t.stride(-1) != 1 and t.shape[-1] > 1 if t.dim() else False
-        ):
-            _raise_for(op, first_name, first, name, t, supported)
-    if first.device.type != runtime.device().type:
+        if first is None:
+            first_name, first, dtype, device = name, t, t.dtype, t.device
+            if dtype not in runtime.supported_dtypes():
+                _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
+        elif t.dtype is not dtype or t.device != device:
+            _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
+        if not t.is_contiguous() and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
+            _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
+    if device.type != runtime.device().type:
         where = "the GPU (mode 'gpu')" if runtime.on_gpu() else "the CPU (mode 'interpreter': no GPU)"
         raise ValueError(f"{op}: tensors are on {first.device}, but kernels run on {where}")
     return first
@@ -53,10 +58,12 @@ def _raise_for(op, first_name, first, name, t, supported):
 
 def launch(kernel, grid, *args, **meta):
     """kernel[grid](*args, **meta), returning what Triton returns (on the GPU the compiled kernel: its n_regs and
-    n_spills). In interpreter mode the launch is also named in torch.profiler traces, so launch counts work on CPU;
-    on the GPU Triton's kernels show up in the profiler by themselves, at no extra cost."""
+    n_spills). On the GPU a configuration launched before goes straight to its compiled kernel's launcher
+    (``_launcher.launch``: the same launch, Triton's binder skipped; ``LESSONLIB_FAST_LAUNCH=0`` turns it off).
+    In interpreter mode the launch is also named in torch.profiler traces, so launch counts work on CPU; on the GPU
+    Triton's kernels show up in the profiler by themselves, at no extra cost."""
     if runtime.on_gpu():
-        return kernel[grid](*args, **meta)
+        return _launcher.launch(kernel, grid, args, meta)
     if runtime.mode() == "compile":
         raise RuntimeError(f"{kernel.fn.__name__}: LESSONLIB_MODE=compile defines kernels for the compiler only; "
                            "nothing launches (tools/compile_targets.py compiles them)")
@@ -84,7 +91,15 @@ def num_warps_for(block: int) -> int:
     return max(1, min(16, block // 256))
 
 
-next_power_of_2 = triton.next_power_of_2
+def next_power_of_2(n: int) -> int:
+    """``triton.next_power_of_2`` for 0 <= n <= 2**64, as plain Python: Triton's is a ``constexpr_function``, whose
+    call costs about 2 us of host time (Triton 3.6 and 3.9), a tenth of a decode-size op."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` as plain Python (Triton's is a ``constexpr_function``: see :func:`next_power_of_2`)."""
+    return -(-a // b)
 
 
 def first_that_fits(op: str, candidates, shared_memory, profile) -> dict:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lessonlib.ops._common import check_tensors, launch, next_power_of_2, num_warps_for, tuned
+from lessonlib.ops._common import cdiv, check_tensors, launch, next_power_of_2, num_warps_for, tuned
 
 # Columns per program. Swept on the H200 at T=8192, I=14336 bf16, 1-D grid (the sweep records of
 # lessonlib/results/fusion-h200.json): 2048 columns with 8 warps was the fastest, 4,239 GB/s; 1024-2048 columns with
@@ -114,14 +114,14 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = N
     tensor. No autograd: models call :func:`swiglu`. ``config`` overrides :func:`config`'s BLOCK and num_warps: a
     knob for sweeps (benchmarks/bench_fusion.py)."""
     _check(gate, up)
-    out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
+    out = torch.empty_like(gate, memory_format=torch.contiguous_format)  # half the host time of torch.empty(shape...)
     if out.numel() == 0:
         return out
     n_cols = gate.shape[-1]
     gate2d, up2d = _rows(gate, n_cols), _rows(up, n_cols)
     meta = _default_config(n_cols) if config is None else tuned("swiglu", _default_config(n_cols), config)
     launch(
-        _swiglu_kernel, (gate2d.shape[0] * triton.cdiv(n_cols, meta["BLOCK"]),),
+        _swiglu_kernel, (gate2d.shape[0] * cdiv(n_cols, meta["BLOCK"]),),
         gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols,
         **meta,
     )
@@ -191,8 +191,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, fused, with a gradient: the op a model calls (``lessonlib.reference.swiglu``'s twin).
 
     gate, up: (..., I) of one shape; rows may be strided, the last dimension must be contiguous. Goes through the
-    custom op ``torch.ops.lessonlib.swiglu`` when autograd must record it or torch.compile traces it; otherwise
-    straight to :func:`swiglu_forward` (the dispatcher would add host time to every decode-size call)."""
-    if getattr(gate, "requires_grad", False) or getattr(up, "requires_grad", False) or torch.compiler.is_compiling():
+    custom op ``torch.ops.lessonlib.swiglu`` when autograd must record it (an input requires grad, with grad
+    enabled) or torch.compile traces it; otherwise straight to :func:`swiglu_forward` (the dispatcher would add
+    host time to every decode-size call)."""
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
+            getattr(gate, "requires_grad", False) or getattr(up, "requires_grad", False))):
         return _SWIGLU(gate, up)
     return swiglu_forward(gate, up)

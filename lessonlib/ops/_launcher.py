@@ -1,0 +1,259 @@
+"""A cached launch: a Triton kernel launched for the host time of its compiled kernel's own launch.
+
+``kernel[grid](*args, **meta)`` does, on every call (Triton 3.6 and 3.9, ``JITFunction.run``): look up the device
+and stream, run the binder (bind the arguments, apply defaults, specialize each one), build and look up a cache key
+from the specialization and the options, check the globals the kernel read, build the launch metadata for the
+launch hooks, and only then call the compiled kernel's launcher (``CompiledKernel.run``, a C function). At decode
+sizes that Python is the op's time (issue 27: 9-11 us against about 4 us for the launch itself).
+
+:func:`launch` keeps, per configuration, the ``CompiledKernel`` that the first plain ``kernel[grid]`` call returned,
+and calls its launcher directly on every later call with the same configuration, exactly as ``JITFunction.run``
+does: ``run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_metadata, enter_hook, exit_hook,
+*arguments)``, every parameter in signature order (the launcher drops the constexpr ones). A configuration is
+what Triton would compile a different kernel for:
+
+* the kernel, the current device, and ``meta`` (constexpr values and options such as ``num_warps``);
+* per tensor argument its dtype and whether its address is a multiple of 16 bytes;
+* per int argument whether it is 1 (Triton makes it a constant), a multiple of 16, and whether it fits in 32 or
+  64 bits (the parameter's type); a float is a float32 parameter whatever its value.
+
+A wrong hit would launch a kernel specialized for other inputs (vector loads on a misaligned pointer, an ``n_cols``
+compiled in as 1), so the key refines Triton's own rule: :func:`works_here` checks, with this Triton's
+``native_specialize_impl`` and the binder's backend, that inputs of one key are specialized alike, before the
+first cached launch.
+
+Every launch of a process takes the plain path when: it runs in the interpreter, the environment sets
+``LESSONLIB_FAST_LAUNCH=0``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
+Triton's launch does not have the form above, that its specialization is not the one the key assumes, or that a
+probe kernel's cached launch wrote other values than its plain launch. One call takes it when: a launch hook is
+set (a profiler such as proton reads the launch metadata), the kernel has pre-run hooks, a global it read has
+changed (Triton raises), it is not a JITFunction (an autotuner), the grid is not a tuple, an argument is not a
+tensor, an int or a float, or a constexpr is passed positionally. Not watched: Triton settings that change the
+compile options mid-process (``knobs.runtime.debug``, instrumentation); set them before the first launch, or set
+``LESSONLIB_FAST_LAUNCH=0``. ``plain_launches()`` forces the plain path for a block (tests, benchmarks).
+
+Python time before the driver call, measured on CPU with a stand-in driver
+(benchmarks/experiments/dispatch_overhead_cpu.py, Triton 3.9): swiglu's launch 8.5 us plain, 2.5 us cached;
+add_rms_norm's 9.0 and 3.2 us.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+from functools import lru_cache
+
+import torch
+import triton
+import triton.language as tl
+
+from lessonlib import runtime
+
+ENV = "LESSONLIB_FAST_LAUNCH"
+_INT32, _INT64 = (-(2**31), 2**31 - 1), (-(2**63), 2**63 - 1)
+_compiled: dict = {}  # configuration key -> _Entry
+_forced_plain = [False]  # plain_launches() sets it
+
+
+class _Entry:
+    """One configuration's compiled kernel and what its launcher needs besides the call's own arguments."""
+
+    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "tail", "globals_read")
+
+    def __init__(self, kernel, compiled, tail, globals_read):
+        # the kernel is kept so that its id, in the key, is never reused by another object
+        self.kernel, self.compiled, self.tail, self.globals_read = kernel, compiled, tail, globals_read
+        self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+
+
+def configuration_key(kernel, device, args, meta):
+    """The key of one launch (see the module docstring), or None when an argument is of a kind the key does not
+    cover (the call then takes the plain path). The kernel enters by its id: a JITFunction's own hash takes a lock
+    and its source hash on every call. Written for speed: it runs on every launch (about 1 us for 7 arguments)."""
+    key = [id(kernel), device, *meta.items()]
+    append, int_class = key.append, _int_classes.get
+    for a in args:
+        if a.__class__ is int:
+            c = int_class(a)
+            append(c if c is not None else _int_class(a))
+        elif isinstance(a, torch.Tensor):
+            append(a.dtype)
+            append(a.data_ptr() & 15 == 0)
+        elif a.__class__ is float:
+            append(float)
+        else:
+            return None
+    return tuple(key)
+
+
+_int_classes: dict[int, int] = {}  # int -> its class below, for the ints met first (sizes, strides)
+
+
+def _int_class(a: int) -> int:
+    """1 for 1 (Triton compiles it in as a constant); otherwise bits: a multiple of 16, fits in int32, in int64."""
+    c = 1 if a == 1 else 8 | (a & 15 == 0) | (_INT32[0] <= a <= _INT32[1]) << 1 | (_INT64[0] <= a <= _INT64[1]) << 2
+    if len(_int_classes) < 4096:
+        _int_classes[a] = c
+    return c
+
+
+def launch(kernel, grid, args, meta):
+    """``kernel[grid](*args, **meta)`` on the GPU, through the cached compiled kernel where :func:`works_here`;
+    returns Triton's compiled kernel either way."""
+    if _forced_plain[0] or not works_here():
+        return kernel[grid](*args, **meta)
+    device = _driver().get_current_device()
+    try:
+        key = configuration_key(kernel, device, args, meta)
+        entry = _compiled.get(key) if key is not None else None
+    except TypeError:  # an unhashable meta value: Triton decides what it means
+        key = entry = None
+    if (entry is None or not _hooks_idle(kernel) or grid.__class__ is not tuple
+            or (entry.globals_read and _globals_changed(entry))):
+        compiled = kernel[grid](*args, **meta)
+        if key is not None and entry is None and compiled is not None:
+            _remember(key, kernel, compiled, args, meta)
+        return compiled
+    n = len(grid)
+    entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _driver().get_current_stream(device),
+              entry.function, entry.packed_metadata, None, None, None, *args, *entry.tail)
+    return entry.compiled
+
+
+def _remember(key, kernel, compiled, args, meta) -> None:
+    """Keep a configuration's compiled kernel when every parameter after the positional ones is a constexpr given
+    in ``meta`` or by its default, and no positional one is a constexpr or specialized otherwise than by default
+    (annotations, do_not_specialize): then ``args`` plus the constexpr values are the launcher's arguments."""
+    if not isinstance(kernel, triton.runtime.jit.JITFunction):  # an autotuner, heuristics: Triton decides each call
+        return
+    params = kernel.params
+    given, rest = params[:len(args)], params[len(args):]
+    if any(p.is_constexpr or p.do_not_specialize or p.do_not_specialize_on_alignment or p.annotation for p in given):
+        return
+    if any(not p.is_constexpr or (p.name not in meta and not p.has_default) for p in rest):
+        return
+    tail = tuple(meta[p.name] if p.name in meta else p.default for p in rest)
+    globals_read = tuple((name, value, where) for (name, _), (value, where) in kernel.used_global_vals.items())
+    _compiled[key] = _Entry(kernel, compiled, tail, globals_read)
+
+
+def _hooks_idle(kernel) -> bool:
+    """No launch hook and no pre-run hook: nothing would read what the plain path builds for them."""
+    hooks = triton.knobs.runtime
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return (not kernel.pre_run_hooks and (enter is None or not getattr(enter, "calls", True))
+            and (leave is None or not getattr(leave, "calls", True)))
+
+
+def _globals_changed(entry) -> bool:
+    # The plain path raises when a global the kernel read at compile time has changed since: let it.
+    missing = object()
+    return any(where.get(name, missing) != value for name, value, where in entry.globals_read)
+
+
+@lru_cache(maxsize=None)
+def _driver():
+    return triton.runtime.driver.active
+
+
+@contextlib.contextmanager
+def plain_launches():
+    """Within: every launch takes the plain ``kernel[grid]`` path (tests and benchmarks compare both paths)."""
+    before, _forced_plain[0] = _forced_plain[0], True
+    try:
+        yield
+    finally:
+        _forced_plain[0] = before
+
+
+def works_here() -> bool:
+    """Whether launches take the cached path in this process (decided once, at the first launch outside a CUDA
+    graph capture: the probe launches and syncs, which a capture forbids; until then launches are plain)."""
+    if _decided:
+        return _decided[0] is None
+    if runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
+        return False
+    return why_not() is None
+
+
+_decided: list = []  # [None] or [the reason the plain path is taken], once decided
+
+
+def why_not() -> str | None:
+    """None when the cached path is used here; otherwise the reason every launch takes the plain path."""
+    if not _decided:
+        _decided.append(_decide())
+    return _decided[0]
+
+
+def _decide() -> str | None:
+    if os.environ.get(ENV, "1").strip() == "0":
+        return f"{ENV}=0"
+    if not runtime.on_gpu():
+        return "not on a GPU (Triton's interpreter launches kernels its own way)"
+    try:
+        backend = triton.compiler.make_backend(_driver().get_current_target())
+        return _interface_problem() or specialization_problem(backend, runtime.device()) or _probe_problem()
+    except Exception as error:  # any surprise in another Triton: the plain path, and the reason kept
+        return f"the probe failed: {type(error).__name__}: {error}"
+
+
+def _interface_problem() -> str | None:
+    """The launch this module repeats is the one Triton's own ``JITFunction.run`` makes (3.6 to 3.9 at least)."""
+    source = " ".join(inspect.getsource(triton.runtime.jit.JITFunction.run).split())
+    expected = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata, "
+                "launch_metadata, knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook, "
+                "*bound_args.values())")
+    if expected not in source:
+        return f"triton {triton.__version__}: JITFunction.run launches differently from what this module repeats"
+    return None
+
+
+def specialization_samples(device) -> list:
+    """Arguments around every boundary of Triton's specialization: ints at 1, multiples of 16 and the 32- and
+    64-bit limits; tensors of two dtypes at every address offset mod 16; floats."""
+    ints = [v + d for v in (0, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16)
+            for d in (-17, -16, -1, 0, 1, 15, 16)]
+    ints = [v for v in ints if -(2**63) <= v < 2**64]
+    base = torch.empty(64, dtype=torch.float32, device=device)
+    tensors = [base.view(dtype)[offset:] for dtype in (torch.float16, torch.float32) for offset in range(9)]
+    return ints + tensors + [0.0, 1.0, -2.5, 1e-6, 3e38, float("inf")]
+
+
+def specialization_problem(backend, device) -> str | None:
+    """None when inputs with one key are specialized alike by this Triton (``native_specialize_impl``, the
+    function its binder calls, with ``backend``, the binder's), over :func:`specialization_samples` on ``device``;
+    otherwise the two inputs one key would wrongly share."""
+    from triton._C.libtriton import native_specialize_impl
+
+    seen = {}
+    for a in specialization_samples(device):
+        key = configuration_key(None, None, (a,), {})
+        spec = native_specialize_impl(backend, a, False, True, True)
+        if seen.setdefault(key, (spec, a))[0] != spec:
+            return (f"triton {triton.__version__} specializes {seen[key][1]!r} and {a!r} differently; "
+                    "one key covers both")
+    return None
+
+
+@triton.jit
+def _probe_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, SHIFT: tl.constexpr = 1):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, tl.load(x_ptr + offsets, mask=mask) * scale + SHIFT + offsets, mask=mask)
+
+
+def _probe_problem() -> str | None:
+    """One kernel launched plainly, then from the cache: the two outputs must be bit for bit the same."""
+    x = torch.randn(1000, device=runtime.device())
+    plain, cached = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    grid = (triton.cdiv(x.numel(), 256),)
+    _probe_kernel[grid](x, plain, x.numel(), 0.5, BLOCK=256)  # the plain path (launch() is not used here)
+    compiled = _probe_kernel[grid](x, cached, x.numel(), 0.5, BLOCK=256)
+    cached.fill_(float("nan"))
+    compiled.run(grid[0], 1, 1, _driver().get_current_stream(_driver().get_current_device()), compiled.function,
+                 compiled.packed_metadata, None, None, None, x, cached, x.numel(), 0.5, 256, 1)
+    if not torch.equal(plain, cached):
+        return f"triton {triton.__version__}: the probe's cached launch wrote other values than its plain launch"
+    return None

@@ -1,0 +1,418 @@
+"""The cached launch (lessonlib/ops/_launcher.py): its key against Triton's own specialization, its cache logic
+with a recording stand-in for Triton's kernel (any machine), the plain path in the interpreter, and on the GPU the
+cached path bit for bit against the plain one, for every public op, including the cases a wrong hit would break."""
+
+import sys
+
+import pytest
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
+
+from lessonlib import ops, reference, runtime
+from lessonlib.ops import _common, _launcher
+from lessonlib.ops.flash_attention import flash_attention_dtypes
+from tests.conftest import randn
+
+_swiglu_module = sys.modules["lessonlib.ops.swiglu"]
+_add_rms_norm_module = sys.modules["lessonlib.ops.add_rms_norm"]
+gpu_only = pytest.mark.skipif(not runtime.on_gpu(), reason="the cached launch runs on a GPU only")
+
+
+# --- the key ---------------------------------------------------------------------------------------------------
+
+def test_key_separates_what_triton_specializes_apart():
+    """Samples at every boundary (ints at 1, multiples of 16, 32/64 bits; tensors at every offset mod 16): two with
+    one key are specialized alike by this Triton's own function (here for an sm_90 backend, as on an H200)."""
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 90, 32))
+    assert _launcher.specialization_problem(backend, runtime.device()) is None
+
+
+def test_a_key_blind_to_alignment_is_caught(monkeypatch):
+    """The check above can fail: a key that ignores a pointer's alignment is named."""
+    backend = triton.compiler.make_backend(GPUTarget("cuda", 90, 32))
+    real = _launcher.configuration_key
+    monkeypatch.setattr(_launcher, "configuration_key", lambda kernel, device, args, meta: real(
+        kernel, device, [torch.empty(16, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args], meta))
+    assert "differently" in _launcher.specialization_problem(backend, runtime.device())
+
+
+def test_plain_twins_of_tritons_helpers():
+    for n in [*range(0, 4100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]:
+        assert _common.next_power_of_2(n) == triton.next_power_of_2(n), n
+    for a in (0, 1, 7, 16, 17, 14336, 2**33 + 5):
+        for b in (1, 2, 16, 2048):
+            assert _common.cdiv(a, b) == triton.cdiv(a, b)
+
+
+# --- the cache logic, with a recording stand-in for Triton (no GPU needed) -------------------------------------
+
+class _Compiled:
+    """Stands in for Triton's CompiledKernel: its launcher records each call."""
+
+    def __init__(self, calls):
+        self.calls, self.function, self.packed_metadata = calls, object(), (4, 1, 0)
+
+    def run(self, *launch):
+        self.calls.append(("cached", launch))
+
+
+class _Kernel(triton.runtime.jit.JITFunction):
+    """A JITFunction of ``fn`` (Triton's own parameter list, hooks, globals) whose ``kernel[grid](...)`` records
+    the call and returns a stand-in compiled kernel instead of compiling."""
+
+    def __init__(self, fn):
+        super().__init__(fn)
+        self.calls = []
+        self.compiled = _Compiled(self.calls)
+
+    def __getitem__(self, grid):
+        def plain(*args, **meta):
+            self.calls.append(("plain", grid, args, meta))
+            return self.compiled
+        return plain
+
+
+class _Driver:
+    device, stream = 0, 1234
+
+    def get_current_device(self):
+        return self.device
+
+    def get_current_stream(self, device):
+        return self.stream + device
+
+
+@pytest.fixture
+def cached(monkeypatch):
+    """_launcher as on a GPU where the probe passed, with an empty cache and a stand-in driver."""
+    monkeypatch.setattr(_launcher, "works_here", lambda: True)
+    monkeypatch.setattr(_launcher, "_compiled", {})
+    driver = _Driver()
+    monkeypatch.setattr(_launcher, "_driver", lambda: driver)
+    return driver
+
+
+def _swiglu_call(n_cols=96, rows=3, dtype=torch.float32, offset=0):
+    gate = torch.empty(rows * n_cols + offset, dtype=dtype)[offset:].view(rows, n_cols)
+    up, out = torch.empty(rows, n_cols, dtype=dtype), torch.empty(rows, n_cols, dtype=dtype)
+    return (gate, up, out, n_cols, n_cols, n_cols, n_cols), {"BLOCK": 128, "num_warps": 4}
+
+
+def _kinds(kernel):
+    return [call[0] for call in kernel.calls]
+
+
+def test_second_call_of_a_configuration_goes_to_the_compiled_launcher(cached):
+    kernel = _Kernel(_swiglu_module._swiglu_kernel.fn)
+    args, meta = _swiglu_call()
+    assert _launcher.launch(kernel, (3,), args, meta) is kernel.compiled
+    assert _launcher.launch(kernel, (5, 2), args, meta) is kernel.compiled
+    assert _kinds(kernel) == ["plain", "cached"]
+    launch = kernel.calls[1][1]
+    # what JITFunction.run passes: the grid as three ints, the stream, the function, the packed metadata, no launch
+    # metadata or hooks, then every parameter in signature order (the constexpr BLOCK last)
+    assert launch[:9] == (5, 2, 1, 1234, kernel.compiled.function, (4, 1, 0), None, None, None)
+    assert launch[9:] == (*args, 128)
+
+
+def test_defaulted_constexprs_are_passed_in_signature_order(cached):
+    kernel = _Kernel(_add_rms_norm_module._add_rms_norm_kernel.fn)  # ... BLOCK, ONE_PASS, PDL=False
+    x, r, w, o, ro = (torch.empty(2, 64) for _ in range(5))
+    args = (x, r, w[0], o, ro, 64, 64, 64, 1e-6)
+    for _ in range(2):
+        _launcher.launch(kernel, (2,), args, {"BLOCK": 64, "ONE_PASS": True, "num_warps": 1})
+    assert _kinds(kernel) == ["plain", "cached"] and kernel.calls[1][1][9:] == (*args, 64, True, False)
+
+
+class _RecordingCompiled(_Compiled):
+    """A stand-in compiled kernel for Triton's real JITFunction.run: its launch_metadata is Triton's own."""
+    name, src = "stand-in", None
+    launch_metadata = CompiledKernel.launch_metadata
+
+    def _init_handles(self):
+        pass
+
+
+@pytest.mark.parametrize("op", ["swiglu", "add_rms_norm"])
+def test_the_cached_launch_passes_what_tritons_own_launch_passes(cached, monkeypatch, op):
+    """Triton's real JITFunction.run (binder, defaults, cache, launch metadata), its compile stubbed to return a
+    recording kernel, against the cached launch of the same call: the same grid, stream, function, metadata and
+    arguments (constexprs and defaults in signature order), the launch metadata and hooks left out."""
+    monkeypatch.setattr(triton.runtime.driver, "_active", _StandInTarget())
+    if op == "swiglu":
+        kernel = triton.runtime.jit.JITFunction(_swiglu_module._swiglu_kernel.fn)
+        args, meta = _swiglu_call()
+    else:
+        kernel = triton.runtime.jit.JITFunction(_add_rms_norm_module._add_rms_norm_kernel.fn)
+        x, w = torch.empty(2, 64), torch.empty(64)
+        args, meta = (x, x, w, x, x, 64, 64, 64, 1e-6), {"BLOCK": 64, "ONE_PASS": True, "num_warps": 1}
+    calls = []
+    compiled = _RecordingCompiled(calls)
+    monkeypatch.setattr(kernel, "_do_compile", lambda *a, **k: compiled)
+    for _ in range(2):
+        _launcher.launch(kernel, (3, 2), args, meta)
+    (plain, cached_launch) = (launch for kind, launch in calls)
+    assert cached_launch[:6] == plain[:6] == (3, 2, 1, 1234, compiled.function, compiled.packed_metadata)
+    assert cached_launch[6:9] == (None, None, None)  # no launch hook set: nothing would read them
+    assert len(cached_launch) == len(plain) and all(a is b for a, b in zip(cached_launch[9:], plain[9:]))
+
+
+class _StandInTarget(_Driver):
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+
+@pytest.mark.parametrize("change", ["misaligned pointer", "int becomes 1", "int past 32 bits", "int loses 16",
+                                    "dtype", "constexpr", "option", "device"])
+def test_every_change_triton_specializes_on_takes_the_plain_path(cached, change):
+    """Each change would make Triton compile another kernel: the cached one must not be launched for it."""
+    kernel = _Kernel(_swiglu_module._swiglu_kernel.fn)
+    args, meta = _swiglu_call(n_cols=96)
+    _launcher.launch(kernel, (3,), args, meta)
+    if change == "misaligned pointer":
+        args, meta = _swiglu_call(n_cols=96, offset=1)
+    elif change == "dtype":
+        args, meta = _swiglu_call(n_cols=96, dtype=torch.float16)
+    elif change == "constexpr":
+        meta = {**meta, "BLOCK": 256}
+    elif change == "option":
+        meta = {**meta, "num_warps": 8}
+    elif change == "device":
+        cached.device = 1
+    else:
+        n_cols = {"int becomes 1": 1, "int past 32 bits": 2**31 + 96, "int loses 16": 97}[change]
+        args = (*args[:3], n_cols, *args[4:])
+    _launcher.launch(kernel, (3,), args, meta)
+    assert _kinds(kernel) == ["plain", "plain"]
+    _launcher.launch(kernel, (3,), args, meta)  # and the new configuration is cached in turn
+    assert _kinds(kernel) == ["plain", "plain", "cached"]
+
+
+@pytest.mark.parametrize("reason", ["launch hook", "pre-run hook", "global changed", "plain_launches", "list grid",
+                                    "None argument"])
+def test_a_cached_configuration_still_takes_the_plain_path_when(cached, monkeypatch, reason):
+    kernel = _Kernel(_swiglu_module._swiglu_kernel.fn)
+    args, meta = _swiglu_call()
+    grid = (3,)
+    where = {"LIMIT": 1}
+    kernel.used_global_vals = {("LIMIT", id(where)): (1, where)}
+    _launcher.launch(kernel, grid, args, meta)
+    if reason == "launch hook":
+        monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    elif reason == "pre-run hook":
+        kernel.pre_run_hooks.append(lambda *a, **k: None)
+    elif reason == "global changed":
+        where["LIMIT"] = 2  # Triton's plain path raises for this; the cached one must not hide it
+    elif reason == "list grid":
+        grid = [3]
+    elif reason == "None argument":
+        args = (*args[:2], None, *args[3:])
+    if reason == "plain_launches":
+        with _launcher.plain_launches():
+            _launcher.launch(kernel, grid, args, meta)
+    else:
+        _launcher.launch(kernel, grid, args, meta)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_an_autotuner_or_other_wrapper_is_never_cached(cached):
+    class Wrapper:  # what triton.autotune returns is not a JITFunction: it picks a config on each call
+        def __init__(self, kernel):
+            self.params, self.kernel = kernel.params, kernel
+
+        def __getitem__(self, grid):
+            return self.kernel[grid]
+
+    kernel = _Kernel(_swiglu_module._swiglu_kernel.fn)
+    wrapper, (args, meta) = Wrapper(kernel), _swiglu_call()
+    for _ in range(2):
+        _launcher.launch(wrapper, (3,), args, meta)
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_kernels_whose_arguments_the_launcher_cannot_place_are_never_cached(cached):
+    """A constexpr passed positionally (its value is not in the key) is left to Triton on every call."""
+    kernel = _Kernel(_launcher._probe_kernel.fn)  # (x_ptr, out_ptr, n, scale, BLOCK, SHIFT=1)
+    x = torch.empty(16)
+    for _ in range(2):
+        _launcher.launch(kernel, (1,), (x, x, 16, 0.5, 16), {})
+    assert _kinds(kernel) == ["plain", "plain"]
+
+
+def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch):
+    """The probe launches and syncs, which a capture forbids: during one, launches are plain and nothing is decided."""
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert not _launcher.works_here() and _launcher._decided == []
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    decisions = []
+    monkeypatch.setattr(_launcher, "_decide", lambda: decisions.append(1))  # None: the cached path works
+    assert _launcher.works_here() and _launcher.works_here() and decisions == [1]
+
+
+def test_the_environment_switch_turns_the_cached_path_off(monkeypatch):
+    monkeypatch.setenv(_launcher.ENV, "0")
+    assert _launcher._decide() == f"{_launcher.ENV}=0"
+
+
+# --- the plain path in the interpreter, and where the public ops dispatch --------------------------------------
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="the interpreter's path")
+def test_the_interpreter_always_takes_the_plain_path(monkeypatch):
+    assert "not on a GPU" in _launcher.why_not()
+    monkeypatch.setattr(_launcher, "launch", lambda *a: pytest.fail("the cached launcher ran in the interpreter"))
+    gate, up = randn(3, 37), randn(3, 37)
+    assert torch.equal(ops.swiglu(gate, up), _swiglu_module.swiglu_forward(gate, up))
+
+
+@pytest.mark.parametrize("grad_enabled, wants_custom_op", [(True, True), (False, False)])
+def test_the_custom_op_only_where_autograd_records(monkeypatch, grad_enabled, wants_custom_op):
+    """Inputs that require grad go through torch.ops.lessonlib.* only with grad enabled (no_grad: the launcher)."""
+    used = []
+    monkeypatch.setattr(_swiglu_module, "_SWIGLU", lambda *a: used.append("swiglu") or torch.zeros(()))
+    monkeypatch.setattr(_add_rms_norm_module, "_ADD_RMS_NORM", lambda *a: used.append("add_rms_norm") or (None, None))
+    gate, up = randn(1, 9).requires_grad_(), randn(1, 9)
+    x, r, w = randn(1, 9), randn(1, 9), randn(9).requires_grad_()
+    with torch.set_grad_enabled(grad_enabled):
+        ops.swiglu(gate, up)
+        ops.add_rms_norm(x, r, w)
+    assert used == (["swiglu", "add_rms_norm"] if wants_custom_op else [])
+
+
+# --- on the GPU: the cached path is on, bit-identical to the plain one, and never wrongly hit -------------------
+
+@gpu_only
+def test_the_cached_path_is_on_here():
+    """The probe passed with this Triton (the GPU machine's: 3.6 at the time of writing)."""
+    assert _launcher.why_not() is None
+
+
+def _public_calls(dtype):
+    gate, up = randn(5, 2 * 300, dtype=dtype).chunk(2, dim=-1)  # strided rows, odd width
+    x, r, w = randn(7, 123, dtype=dtype), randn(7, 123, dtype=dtype), randn(123, dtype=dtype)
+    q, k = randn(1, 4, 9, 64, dtype=dtype), randn(1, 2, 9, 64, dtype=dtype)
+    cos, sin = reference.rope_cos_sin(torch.arange(9, device=runtime.device()), 64, dtype=dtype)
+    weight = randn(33, 123, dtype=dtype)
+    weight_int8 = torch.randint(-127, 128, (40, 64), dtype=torch.int8, device=runtime.device())
+    scales, m = randn(40, dtype=dtype), randn(3, 64, dtype=dtype)
+    gate_bias, up_bias = randn(300, dtype=dtype), randn(300, dtype=dtype)
+    calls = {
+        "swiglu": lambda: ops.swiglu(gate, up),
+        "add_rms_norm": lambda: ops.add_rms_norm(x, r, w),
+        "bias_swiglu": lambda: ops.bias_swiglu(gate, up, gate_bias, up_bias),
+        "absmax_normalize two_launches": lambda: ops.absmax_normalize(x, "two_launches"),
+        "absmax_normalize one_program": lambda: ops.absmax_normalize(x, "one_program"),
+        "apply_rope": lambda: ops.apply_rope(q, k, cos, sin),
+        "argmax": lambda: ops.argmax(x),
+        "gemv": lambda: ops.gemv(x[:2], weight),
+        "dequant_matmul": lambda: ops.dequant_matmul(m, weight_int8, scales),
+    }
+    if dtype in flash_attention_dtypes():
+        calls["flash_attention"] = lambda: ops.flash_attention(q, q, q, causal=True)
+    return {**calls, **_paged_calls(dtype)}
+
+
+def _paged_calls(dtype):
+    """The KV-cache ops: the in-place writers on fresh copies of one cache (their output is the cache), then
+    attention through block tables over it."""
+    device = runtime.device()
+    k_cache, v_cache = randn(4, 16, 2, 64, dtype=dtype), randn(4, 16, 2, 64, dtype=dtype)  # 4 pages of 16 tokens
+    slots = torch.randperm(64, device=device)[:5]
+    k, v, qkv = randn(5, 2, 64, dtype=dtype), randn(5, 2, 64, dtype=dtype), randn(5, (4 + 2 * 2) * 64, dtype=dtype)
+    cos, sin = reference.rope_cos_sin(torch.arange(5, device=device), 64, dtype=dtype)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=device)
+    seq_lens, starts = (torch.tensor(v, dtype=torch.int32, device=device) for v in ([20, 9], [0, 3, 5]))
+    q_decode, q_prefill = randn(2, 4, 64, dtype=dtype), randn(5, 4, 64, dtype=dtype)
+
+    def store_kv():
+        kc, vc = k_cache.clone(), v_cache.clone()
+        ops.store_kv(k, v, kc, vc, slots)
+        return kc, vc
+
+    def rope_store_kv():
+        kc, vc = k_cache.clone(), v_cache.clone()
+        return ops.rope_store_kv(qkv, cos, sin, kc, vc, slots, num_heads=4, num_kv_heads=2), kc, vc
+
+    return {
+        "store_kv": store_kv, "rope_store_kv": rope_store_kv,
+        "paged_attention": lambda: ops.paged_attention(q_decode, k_cache, v_cache, table, seq_lens),
+        "paged_prefill_attention": lambda: ops.paged_prefill_attention(q_prefill, k_cache, v_cache, table, seq_lens,
+                                                                       starts, 3),
+    }
+
+
+@gpu_only
+def test_cached_and_plain_paths_give_identical_outputs(dtype):
+    with torch.no_grad():
+        for name, call in _public_calls(dtype).items():
+            with _launcher.plain_launches():
+                plain = call()
+            call()  # compiles (if new) and caches the configuration
+            cached = call()
+            for got, want in zip(cached if isinstance(cached, tuple) else (cached,),
+                                 plain if isinstance(plain, tuple) else (plain,)):
+                assert torch.equal(got, want), name
+
+
+@gpu_only
+@pytest.mark.parametrize("first, then", [(17, 1), (1, 17), (96, 97), (97, 96)])
+def test_no_wrong_hit_when_a_width_becomes_1_or_loses_its_16(first, then):
+    """swiglu at one width, then another whose n_cols (and row stride) Triton specializes differently (1 is compiled
+    in as a constant, a multiple of 16 is marked divisible), one BLOCK for both so that only the ints differ: the
+    second must match the plain path, and a repeat (served from the cache) too."""
+    config = {"BLOCK": 128, "num_warps": 4}
+    forward = _swiglu_module.swiglu_forward
+    forward(randn(2, first), randn(2, first), config=config)
+    gate, up = randn(2, then), randn(2, then)
+    with _launcher.plain_launches():
+        plain = forward(gate, up, config=config)
+    assert torch.equal(forward(gate, up, config=config), plain) and torch.equal(forward(gate, up, config=config), plain)
+
+
+@gpu_only
+@pytest.mark.parametrize("offset", [1, 3, 8])
+def test_no_wrong_hit_when_a_pointer_loses_its_alignment(offset):
+    """An aligned call is cached; then the same shape from a buffer offset by ``offset`` elements (float16: 2 bytes
+    each, so 16-byte alignment is lost): a kernel compiled for aligned vector loads would fault or read wrong."""
+    width = 4096
+    buffer = randn(2 * width + 16, dtype=torch.float16)
+    aligned, shifted = buffer[:2 * width].view(2, width), buffer[offset:offset + 2 * width].view(2, width)
+    up = randn(2, width, dtype=torch.float16)
+    ops.swiglu(aligned, up), ops.swiglu(aligned, up)
+    with _launcher.plain_launches():
+        plain = ops.swiglu(shifted, up)
+    assert torch.equal(ops.swiglu(shifted, up), plain)
+
+
+@gpu_only
+def test_no_wrong_hit_when_the_dtype_changes():
+    gate, up = randn(3, 256), randn(3, 256)
+    ops.swiglu(gate, up), ops.swiglu(gate, up)
+    half_gate, half_up = gate.half(), up.half()
+    with _launcher.plain_launches():
+        plain = ops.swiglu(half_gate, half_up)
+    got = ops.swiglu(half_gate, half_up)
+    assert got.dtype == torch.float16 and torch.equal(got, plain)
+
+
+@gpu_only
+def test_repeat_calls_skip_tritons_binder(monkeypatch):
+    """After the first call of a configuration, JITFunction.run (the binder and its cache) is not called."""
+    kernel = _swiglu_module._swiglu_kernel
+    gate, up = randn(1, 4000), randn(1, 4000)
+    ops.swiglu(gate, up)
+    runs = []
+    real_run = kernel.run
+    monkeypatch.setattr(kernel, "run", lambda *a, **k: runs.append(1) or real_run(*a, **k))
+    for _ in range(3):
+        ops.swiglu(gate, up)
+    assert runs == []
+
+
+def test_this_tritons_launch_is_the_one_the_cache_repeats():
+    """JITFunction.run's launch call, read from this Triton's source (3.9 on CI; 3.6 on the GPU host, where
+    test_the_cached_path_is_on_here checks the whole probe)."""
+    assert _launcher._interface_problem() is None
