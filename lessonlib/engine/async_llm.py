@@ -110,7 +110,8 @@ class AsyncLLM:
             if stream is not None and stream.seqs:
                 self.num_aborted += any([self.llm.abort_request(seq) for seq in stream.seqs])
                 # its last output, for a consumer still listening (an abort() from elsewhere)
-                stream.queue.put_nowait(self._output(request_id, stream.seqs, [s.output_token_ids for s in stream.seqs]))
+                known = [seq.output_token_ids for seq in stream.seqs]
+                stream.queue.put_nowait(self._output(request_id, stream.seqs, known))
             elif stream is not None:
                 stream.queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted before it started"))
         self._to_abort.clear()
