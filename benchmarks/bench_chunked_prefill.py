@@ -49,18 +49,18 @@ def main():
     shape = {**shape, "max_position_embeddings": max(2048, 2 * sizes["prompt"])}  # the engine's max_model_len
     features = Features() if gpu else replace(PLAIN_PYTORCH, continuous_batching=True)
     folder = Path(tempfile.mkdtemp(prefix="bench-chunked-", dir=runtime.scratch_dir()))
+    run.notes["model"] = {"shape": shape, "weights": "random (torch.manual_seed(0))"}
+    run.notes["features"] = {k: v for k, v in vars(features).items() if k != "chunked_prefill"}
+    run.notes["sizes"] = sizes
     try:
         path = build_checkpoint(folder, shape, run.dtype)
         chunked_prefill.measure(run, path, sizes, features, shape["vocab_size"])
-        run.notes["model"] = {"shape": shape, "weights": "random (torch.manual_seed(0))"}
-        run.notes["features"] = {k: v for k, v in vars(features).items() if k != "chunked_prefill"}
-        run.notes["sizes"] = sizes
+    finally:  # an interrupt (timeout -s INT) still writes the mode measured so far
+        shutil.rmtree(folder, ignore_errors=True)
         run.notes["target"] = chunked_prefill.itl_target(Results(run.benchmark, "", {}, {}, run.records, {}))
         print("issue 26's chunked-prefill target:", run.notes["target"], flush=True)
         run.notes["seconds"] = round(time.perf_counter() - started, 1)
         run.save(args.out, {})
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 if __name__ == "__main__":

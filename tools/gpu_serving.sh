@@ -18,8 +18,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-scratch/gpu-serving}
 python=${PYTHON:-python3}
-chunked_s=${CHUNKED_S:-120}  # bench_chunked_prefill's limit
-serving_budget_s=${SERVING_BUDGET_S:-270}  # bench_serving's own plan; its limit is 30 s more (shutdown, saving)
+chunked_s=${CHUNKED_S:-110}  # bench_chunked_prefill's limit
+serving_budget_s=${SERVING_BUDGET_S:-260}  # bench_serving's own plan; its limit is 30 s more (shutdown, saving)
 smoke=()
 [ -n "${SMOKE:-}" ] && smoke=(--smoke)
 mkdir -p "$out"
@@ -33,6 +33,7 @@ if ! PYTHON=$python bash tools/gpu_check.sh install serve > "$out/install.log" 2
 fi
 tail -3 "$out/install.log"
 export PYTHONPATH="$PWD/.gpu-site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # no network there: nothing waits for the Hub
 nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv,noheader 2>/dev/null
 
 run() {  # run NAME LIMIT_S COMMAND...: one benchmark under timeout -s INT, its log in $out/NAME.log
