@@ -69,7 +69,7 @@ def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype) -> Path:
     """A random-weight Llama written as a Hugging Face checkpoint (config.json + safetensors; no tokenizer)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**shape, max_position_embeddings=2048, bos_token_id=None, eos_token_id=None,
+    config = LlamaConfig(**{"max_position_embeddings": 2048, **shape}, bos_token_id=None, eos_token_id=None,
                          pad_token_id=None)
     torch.manual_seed(0)
     with torch.device(runtime.device()):  # random init on the GPU: seconds instead of a minute on the CPU

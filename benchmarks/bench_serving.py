@@ -1,6 +1,9 @@
 """Lesson 07's load benchmark: OpenAI-compatible servers under Poisson traffic, through the real ``openai`` client.
 
-    python benchmarks/bench_serving.py --out lessonlib/results/serving-h200.json
+    python benchmarks/bench_serving.py --out lessonlib/results/serving-h200.json [--budget-s 300] [--logs DIR]
+
+(on the lab's H200, with the carried wheels: ``bash tools/gpu_serving.sh``, which runs bench_chunked_prefill.py
+first, so that this run finds Triton's kernels compiled.)
 
 Servers, each started here as its own process on the same model, on loopback, one at a time:
 ``python -m lessonlib.engine.serve`` with chunked prefill and without it (``--enable-chunked-prefill`` /
@@ -8,15 +11,22 @@ Servers, each started here as its own process on the same model, on loopback, on
 ``transformers serve --continuous-batching`` (it needs ``accelerate``).
 The model: a Llama-3.2-1B-shaped random-weight checkpoint (hidden 2048, 16 layers, 32 query / 8 KV heads, MLP 8192)
 with the course's tiny tokenizer (``lessonlib.tiny_model``: a 512-token vocabulary, so the output head is small and
-the text is nonsense; nothing downloaded), served in bfloat16.
+the text is nonsense; nothing downloaded; its weights drawn on the GPU), served in bfloat16.
 
-Traffic: for each request rate, REQUESTS requests whose arrival times are a seeded Poisson process; prompt lengths
-and output lengths drawn from a seeded distribution (the same requests for every server); a ``shared prefix``
-variant gives every prompt the same long opening (the prefix cache's case). Each request streams (``stream=True``)
-and asks for usage; ``ignore_eos`` is sent to the course's server only (transformers refuses unknown fields; random
-weights rarely meet the end-of-sequence token, and the output tokens are counted from each answer's usage anyway).
-Every rate is bounded in count and in time (RATE_DEADLINE_S): a request not finished by then is cancelled and
-counted as failed.
+Traffic: for each request rate (RATES, doubling), about ARRIVAL_S seconds of requests (REQUESTS bounds the count)
+whose arrival times are a seeded Poisson process; prompt lengths and output lengths drawn from a seeded
+distribution (the same requests for every server); a ``shared prefix`` variant gives every prompt the same long
+opening (the prefix cache's case), run after the random one if the server's time allows. Each request streams
+(``stream=True``) and asks for usage; ``ignore_eos`` is sent to the course's server only (transformers refuses
+unknown fields; random weights rarely meet the end-of-sequence token, and the output tokens are counted from each
+answer's usage anyway: an early end only spares transformers work).
+
+The plan fits ``--budget-s`` (BUDGET_S, issue 26's device call): each server gets an equal share of the time left
+when it starts (start-up included); a server's rates rise until one is past its knee (a p99 time to first token of
+TTFT_KNEE_S or more, or a failed request: the higher rates would only queue longer) or its share runs out. Each rate
+is bounded in count and in time (its arrivals plus DRAIN_S): a request not finished by then is cancelled and
+counted as failed, and one still without its first token counts its wait so far as its TTFT. The run's notes hold
+issue 26's targets computed from its records (``targets``); an interrupt still writes the file.
 
 Recorded per (server, workload, rate): time to first token, inter-token latency (the gaps between a stream's
 chunks, pooled) and end-to-end latency, each at p50/p90/p99 in milliseconds, output tokens/s (all output tokens /
@@ -33,9 +43,11 @@ recorded as failed requests with the tail of the server's log; on a quieter mach
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import os
 import random
+import re
 import socket
 import subprocess
 import tempfile
@@ -50,16 +62,24 @@ sys.path.insert(0, str(ROOT))
 from lessonlib import bench, tiny_model  # noqa: E402
 from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
 
-RATES = (2.0, 8.0, 32.0, 128.0)  # requests per second
-REQUESTS = 100  # per rate and workload: about a minute of arrivals per workload and server, all rates together
+RATES = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # requests per second, geometric: brackets each knee
+ARRIVAL_S = 5.0  # each rate sends about this many seconds of arrivals (rate x ARRIVAL_S requests) ...
+REQUESTS = (10, 250)  # ... but at least and at most this many: a p99 of at least 10, a burst at the top rates
 PROMPT_WORDS = (32, 512)  # prompt lengths, words of the course's text (about a token each), log-uniform
 OUTPUT_TOKENS = (16, 256)  # max_tokens, log-uniform
 SHARED_PREFIX_WORDS = 384  # the shared-prefix workload's common opening
-RATE_DEADLINE_S = 120.0
-STARTUP_S = 600.0
+DRAIN_S = 10.0  # after a rate's last arrival, how long its answers may take; then the rest count as failed
+TTFT_KNEE_S = 2.0  # issue 26: a server's highest rate is the highest whose p99 TTFT stays under this
+BUDGET_S = 300.0  # the whole run on the H200, model build and server start-ups included (issue 26)
+STARTUP_S = 180.0
+WARM_UP_S = 30.0  # at most, for the 4 unrecorded requests a server gets first
 LLAMA_1B = dict(hidden_size=2048, num_layers=16, num_heads=32, num_kv_heads=8, architecture="llama")
-SMOKE = dict(rates=(2.0, 8.0), requests=4, prompt_words=(3, 12), output_tokens=(2, 4), shared_prefix_words=16,
-             deadline_s=120.0)
+SMOKE = dict(rates=(2.0, 8.0), requests=(4, 4), prompt_words=(3, 12), output_tokens=(2, 4), shared_prefix_words=16,
+             arrival_s=2.0, drain_s=60.0)
+FULL = dict(rates=RATES, requests=REQUESTS, prompt_words=PROMPT_WORDS, output_tokens=OUTPUT_TOKENS,
+            shared_prefix_words=SHARED_PREFIX_WORDS, arrival_s=ARRIVAL_S, drain_s=DRAIN_S)
+# issue 26's serving targets (the chunked-prefill latency target is bench_chunked_prefill.py's)
+TARGETS = dict(knee_rate_over_peer=2.0, latency_over_peer_at_its_knee=0.5, saturation_chunked_over_prefill_first=0.95)
 
 
 @dataclass
@@ -89,6 +109,11 @@ def workload(rate: float, count: int, prompt_words, output_tokens, prefix_words:
     return out
 
 
+def request_count(rate: float, sizes: dict) -> int:
+    low, high = sizes["requests"]
+    return max(low, min(high, round(rate * sizes["arrival_s"])))
+
+
 def percentiles(values: list[float]) -> dict:
     if not values:
         return {"p50": None, "p90": None, "p99": None}
@@ -97,10 +122,12 @@ def percentiles(values: list[float]) -> dict:
     return {f"p{int(q * 100)}": round(pick(q) * 1e3, 3) for q in (0.5, 0.9, 0.99)}
 
 
-async def one_request(client, model: str, request: Request, start: float, extra: dict) -> dict:
+async def one_request(client, model: str, request: Request, start: float, extra: dict, seen: dict) -> dict:
+    """Send one streamed request at its arrival time; ``seen`` holds when it was sent and when each chunk with text
+    came, for a request the deadline cuts short."""
     await asyncio.sleep(max(0.0, start + request.arrival - time.perf_counter()))
-    sent = time.perf_counter()
-    chunks, tokens = [], None
+    seen["sent"] = sent = time.perf_counter()
+    chunks, tokens = seen.setdefault("chunks", []), None
     stream = await client.completions.create(model=model, prompt=request.prompt, max_tokens=request.max_tokens,
                                              temperature=0.0, stream=True, stream_options={"include_usage": True},
                                              extra_body=extra)
@@ -109,19 +136,23 @@ async def one_request(client, model: str, request: Request, start: float, extra:
             chunks.append(time.perf_counter())
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-    done = time.perf_counter()
-    return {"ttft": chunks[0] - sent if chunks else None, "itl": [b - a for a, b in zip(chunks, chunks[1:])],
-            "e2e": done - sent, "tokens": tokens if tokens is not None else len(chunks), "done": done}
+    seen["done"] = done = time.perf_counter()
+    return {"ttft": chunks[0] - sent if chunks else None, "e2e": done - sent,
+            "tokens": tokens if tokens is not None else len(chunks), "done": done}
 
 
 async def run_rate(base_url: str, model: str, requests: list[Request], deadline_s: float, extra: dict) -> dict:
-    """Send every request at its arrival time, streamed; the measurements, bounded by ``deadline_s``."""
+    """Send every request at its arrival time, streamed; the measurements, bounded by ``deadline_s``. A request
+    without its first token at the deadline counts with its wait so far as its TTFT (a lower bound:
+    ``ttft_censored`` says how many), so a server that falls behind shows it in the TTFT tail."""
     import openai
 
     client = openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=deadline_s)
     start = time.perf_counter()
-    tasks = [asyncio.ensure_future(one_request(client, model, r, start, extra)) for r in requests]
+    seen = [{} for _ in requests]
+    tasks = [asyncio.ensure_future(one_request(client, model, r, start, extra, s)) for r, s in zip(requests, seen)]
     await asyncio.wait(tasks, timeout=deadline_s)
+    cut = time.perf_counter()
     finished, errors = [], []
     for task in tasks:
         if not task.done():
@@ -133,13 +164,22 @@ async def run_rate(base_url: str, model: str, requests: list[Request], deadline_
             finished.append(task.result())
     await asyncio.gather(*tasks, return_exceptions=True)
     await client.close()
+    sent = [s for s in seen if "sent" in s]
+    cut_short = [s for s in sent if not s["chunks"] and "done" not in s]  # no first token by the deadline (or error)
+    ttfts = [s["chunks"][0] - s["sent"] for s in sent if s["chunks"]] + [cut - s["sent"] for s in cut_short]
     tokens = sum(r["tokens"] for r in finished)
     span = max((r["done"] for r in finished), default=start) - start - min(r.arrival for r in requests)
-    return {"ttft_ms": percentiles([r["ttft"] for r in finished if r["ttft"] is not None]),
-            "itl_ms": percentiles([g for r in finished for g in r["itl"]]),
+    return {"ttft_ms": percentiles(ttfts), "ttft_censored": len(cut_short),
+            "itl_ms": percentiles([b - a for s in sent for a, b in zip(s["chunks"], s["chunks"][1:])]),
             "e2e_ms": percentiles([r["e2e"] for r in finished]),
             "output_tokens_per_s": round(tokens / span, 2) if finished and span > 0 else None, "output_tokens": tokens,
             "completed": len(finished), "failed": len(errors), "first_error": errors[0] if errors else None}
+
+
+def past_knee(measured: dict) -> bool:
+    """Whether a rate is past the server's knee: a p99 TTFT of TTFT_KNEE_S or more, or a request that failed."""
+    p99 = measured["ttft_ms"]["p99"]
+    return measured["failed"] > 0 or p99 is None or p99 >= TTFT_KNEE_S * 1e3
 
 
 def free_port() -> int:
@@ -151,29 +191,37 @@ def free_port() -> int:
 class Server:
     """A server process on a free loopback port, up once /health answers; stopped on exit (always)."""
 
-    def __init__(self, command: list[str], log: Path):
-        self.command, self.log, self.port = command, log, free_port()
+    def __init__(self, command: list[str], log: Path, startup_s: float = STARTUP_S):
+        self.command, self.log, self.port, self.startup_s = command, log, free_port(), startup_s
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self):
         import httpx
 
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.began = time.monotonic()
         self.process = subprocess.Popen([*self.command, "--port", str(self.port)], cwd=ROOT, env=env,
                                         stdout=self.log.open("w"), stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + STARTUP_S
+        try:
+            self._wait_for_health(httpx)
+        except BaseException:  # an interrupt too: the process is not left running
+            self.__exit__()
+            raise
+        return self
+
+    def _wait_for_health(self, httpx) -> None:
+        deadline = time.monotonic() + self.startup_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                self.__exit__()
                 raise RuntimeError(f"exited with {self.process.returncode}: {self.log.read_text()[-400:]}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return self
+                    self.startup_s = round(time.monotonic() - self.began, 1)  # what it took
+                    return
             except httpx.TransportError:
                 pass
             time.sleep(0.5)
-        self.__exit__()
-        raise RuntimeError(f"no answer on /health within {STARTUP_S:.0f} s")
+        raise RuntimeError(f"no answer on /health within {self.startup_s:.0f} s: {self.log.read_text()[-300:]}")
 
     def __exit__(self, *exc):
         self.process.terminate()
@@ -206,49 +254,128 @@ def servers(model: Path, smoke: bool, peer: bool) -> dict[str, tuple[list[str] |
     return table
 
 
-def serve_and_load(run: bench.Run, impl: str, command, extra: dict, model_name: str, sizes: dict, log: Path) -> None:
-    """Start one server, send every workload at every rate, record each; a failure is recorded with its error."""
+def serve_and_load(run: bench.Run, impl: str, command, extra: dict, model_name: str, sizes: dict, log: Path,
+                   until: float) -> None:
+    """Start one server, then each workload at rising rates until a rate is past the server's knee or the server's
+    time (``until``, a time.monotonic() instant) runs out; each rate recorded. A failure is recorded with its
+    error."""
     kinds = (("random", 0), ("shared prefix", sizes["shared_prefix_words"]))
     try:
-        with Server(command, log) as server:
+        with Server(command, log, startup_s=min(STARTUP_S, until - time.monotonic())) as server:
+            run.notes.setdefault("startup_s", {})[impl] = server.startup_s
             # Warm-up, not recorded: a server's first requests pay for compilation and lazy loading (transformers'
             # first streamed answers on CPU took seconds longer than the later ones).
             warm = workload(100.0, 4, sizes["prompt_words"], sizes["output_tokens"], 0, seed="warm-up")
-            asyncio.run(run_rate(server.url, model_name, warm, sizes["deadline_s"], extra))
+            asyncio.run(run_rate(server.url, model_name, warm, min(WARM_UP_S, until - time.monotonic()), extra))
             for kind, prefix in kinds:
                 for rate in sizes["rates"]:
-                    requests = workload(rate, sizes["requests"], sizes["prompt_words"], sizes["output_tokens"],
-                                        prefix, seed=f"{kind} {rate}")
-                    measured = asyncio.run(run_rate(server.url, model_name, requests, sizes["deadline_s"], extra))
+                    count = request_count(rate, sizes)
+                    needed = count / rate + sizes["drain_s"]
+                    if time.monotonic() + min(needed, 2 * count / rate + 1) > until:
+                        print(f"{impl}, {kind}: no time left for {rate} requests/s", flush=True)
+                        break
+                    requests = workload(rate, count, sizes["prompt_words"], sizes["output_tokens"], prefix,
+                                        seed=f"{kind} {rate}")
+                    deadline = min(needed, until - time.monotonic())
+                    measured = asyncio.run(run_rate(server.url, model_name, requests, deadline, extra))
                     if not measured["completed"]:  # the server's own account of it, for the record
                         measured["server_log_tail"] = log.read_text(errors="replace")[-600:]
                     run.add(Op.SERVING, impl, {"rate": rate, "requests": len(requests), "workload": kind},
                             **measured)
+                    if past_knee(measured):  # the higher rates would only queue longer
+                        break
     except Exception as error:  # the peer may not start or not answer here: recorded, the run goes on
-        for kind, _ in kinds:
-            run.add(Op.SERVING, impl, {"workload": kind}, error=bench._error(error))
+        run.add(Op.SERVING, impl, {"workload": "random"}, error=bench._error(error))
+
+
+def knee_rate(rows: list[dict]) -> float | None:
+    """A server's highest rate whose p99 TTFT stays under TTFT_KNEE_S (every rate up to it too); None if even the
+    lowest is past it."""
+    best = None
+    for row in sorted(rows, key=lambda r: r["shape"]["rate"]):
+        if past_knee(row):
+            break
+        best = row["shape"]["rate"]
+    return best
+
+
+def targets(records: list[dict]) -> dict:
+    """Issue 26's serving targets, computed from the run's random-workload records: each of this server's two
+    schedules against transformers' (the highest rate under the knee, and the p99 TTFT and ITL at transformers'
+    highest such rate), and chunked prefill's throughput at saturation (the most output tokens/s over the rates)
+    against prefill-first's."""
+    rows = {impl: [r for r in records if r["impl"] == impl and r["shape"].get("workload") == "random"
+                   and "error" not in r] for impl in (Impl.HF_SERVE, Impl.SERVER_CHUNKED_PREFILL,
+                                                      Impl.SERVER_NO_CHUNKED_PREFILL)}
+    peer_knee = knee_rate(rows[Impl.HF_SERVE])
+    out = {"ttft_knee_s": TTFT_KNEE_S, "targets": TARGETS, "knee_rate": {i: knee_rate(r) for i, r in rows.items()}}
+    for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
+        ours, knee = {r["shape"]["rate"]: r for r in rows[impl]}, out["knee_rate"][impl]
+        peer_at = next((r for r in rows[Impl.HF_SERVE] if r["shape"]["rate"] == peer_knee), None)
+        verdict = {"knee_rate_over_peer": None, "met_knee": None, "met_latency_at_peer_knee": None}
+        if peer_knee is not None and knee is not None:
+            verdict["knee_rate_over_peer"] = knee / peer_knee
+            verdict["met_knee"] = knee >= TARGETS["knee_rate_over_peer"] * peer_knee
+        if peer_at is not None and peer_knee in ours:
+            ratios = {k: ours[peer_knee][k]["p99"] / peer_at[k]["p99"] for k in ("ttft_ms", "itl_ms")
+                      if ours[peer_knee][k]["p99"] is not None and peer_at[k]["p99"]}
+            verdict["p99_over_peer_at_peer_knee"] = {k: round(v, 3) for k, v in ratios.items()}
+            verdict["met_latency_at_peer_knee"] = len(ratios) == 2 and all(
+                v <= TARGETS["latency_over_peer_at_its_knee"] for v in ratios.values())
+        out[impl] = verdict
+    saturation = {impl: max((r["output_tokens_per_s"] or 0 for r in rows[impl]), default=0)
+                  for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL)}
+    out["saturation_output_tokens_per_s"] = saturation
+    first = saturation[Impl.SERVER_NO_CHUNKED_PREFILL]
+    ratio = saturation[Impl.SERVER_CHUNKED_PREFILL] / first if first else None
+    out["saturation_chunked_over_prefill_first"] = round(ratio, 3) if ratio is not None else None
+    out["met_saturation"] = None if ratio is None else ratio >= TARGETS["saturation_chunked_over_prefill_first"]
+    return out
+
+
+def build_model(smoke: bool) -> Path:
+    """The course's tiny model (--smoke), or the Llama-3.2-1B-shaped one with the tiny tokenizer, its random weights
+    drawn on the GPU (seconds, against a minute on the CPU), written in float32 and served in bfloat16."""
+    if smoke:
+        return tiny_model.build()
+    import torch
+
+    with torch.device("cuda"):
+        path = tiny_model.build(tiny_model.default_path("llama").parent / "llama-1b-shaped", **LLAMA_1B)
+    torch.cuda.empty_cache()  # the servers are other processes: this one keeps nothing on the GPU
+    return path
 
 
 def main() -> None:
     args = bench.parse_args(__doc__, "bench_serving.py", checkable=False,
-                            flags={"--smoke-peer": "with --smoke: start transformers serve too"})
+                            flags={"--smoke-peer": "with --smoke: start transformers serve too"},
+                            values={"--budget-s": (BUDGET_S, "seconds for the whole run, start-ups included"),
+                                    "--logs": (None, "folder for the servers' logs (default: a temporary one)")})
+    began = time.monotonic()
     run = bench.Run(Benchmark.SERVING, smoke=args.smoke)
-    if args.smoke:
-        model, sizes = tiny_model.build(), SMOKE
-    else:
-        model = tiny_model.build(tiny_model.default_path("llama").parent / "llama-1b-shaped", **LLAMA_1B)
-        sizes = dict(rates=RATES, requests=REQUESTS, prompt_words=PROMPT_WORDS, output_tokens=OUTPUT_TOKENS,
-                     shared_prefix_words=SHARED_PREFIX_WORDS, deadline_s=RATE_DEADLINE_S)
-    run.notes.update(sizes=sizes, model=str(model))
-    logs = Path(tempfile.mkdtemp(prefix="bench_serving-"))  # each server's output; a failure's tail is recorded
+    sizes = SMOKE if args.smoke else FULL
+    model = build_model(args.smoke)
+    run.notes.update(sizes=sizes, model=str(model), budget_s=args.budget_s, model_build_s=round(time.monotonic() -
+                                                                                                 began, 1))
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="bench_serving-"))  # a failure's tail is also recorded
+    logs.mkdir(parents=True, exist_ok=True)
     print("server logs in", logs, flush=True)
-    for impl, (command, extra, why) in servers(model, args.smoke, peer=not args.smoke or args.smoke_peer).items():
-        if why is not None:
-            run.add(Op.SERVING, impl, {}, error=why)
-            continue
-        name = str(model) if impl == Impl.HF_SERVE else "model"  # transformers serves a model by its path
-        serve_and_load(run, impl, command, extra, name, sizes, logs / f"{impl.split(',')[0].replace(' ', '_')}.log")
-    run.save(args.out, {"bandwidth_gbs": None, "matmul_tflops": None})
+    table = list(servers(model, args.smoke, peer=not args.smoke or args.smoke_peer).items())
+    try:
+        for left, (impl, (command, extra, why)) in zip(range(len(table), 0, -1), table):
+            if why is not None:
+                run.add(Op.SERVING, impl, {}, error=why)
+                continue
+            # an equal share of the time left
+            until = time.monotonic() + (began + args.budget_s - time.monotonic()) / left
+            name = str(model) if impl == Impl.HF_SERVE else "model"  # transformers serves a model by its path
+            log = logs / f"{re.sub(r'[^a-z0-9]+', '_', impl)}.log"
+            serve_and_load(run, impl, command, extra, name, sizes, log, until)
+    finally:  # an interrupt (timeout -s INT) still writes what was measured
+        run.notes["targets"] = targets(run.records)
+        run.notes["seconds"] = round(time.monotonic() - began, 1)
+        print("issue 26's serving targets:", json.dumps(run.notes["targets"], indent=1), flush=True)
+        run.save(args.out, {"bandwidth_gbs": None, "matmul_tflops": None})
 
 
 if __name__ == "__main__":

@@ -42,16 +42,19 @@ class Case:
     graphed: tuple[str, ...] | None = None  # peers also timed replayed from a CUDA graph (others: graph_us None)
 
 
-def parse_args(doc: str, script: str, checkable: bool = True,
-               flags: dict[str, str] | None = None) -> argparse.Namespace:
+def parse_args(doc: str, script: str, checkable: bool = True, flags: dict[str, str] | None = None,
+               values: dict[str, tuple[object, str]] | None = None) -> argparse.Namespace:
     """``--out FILE``; ``--smoke`` (tiny sizes, any mode: tests the script); ``--check`` (``--smoke``'s cases
     checked against float64, nothing timed or written). Without a GPU only ``--smoke`` and ``--check`` run.
-    ``flags``: the script's own on/off switches, {"--name": "help"}."""
+    ``flags``: the script's own on/off switches, {"--name": "help"}; ``values``: its own settings,
+    {"--name": (default, "help")}, typed as their default (None: a str)."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="results file to write (JSON)")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, any mode: tests this script")
     for flag, text in (flags or {}).items():
         parser.add_argument(flag, action="store_true", help=text)
+    for flag, (default, text) in (values or {}).items():
+        parser.add_argument(flag, type=str if default is None else type(default), default=default, help=text)
     if checkable:
         parser.add_argument("--check", action="store_true",
                             help="only the correctness checks, at --smoke's sizes: nothing timed, no file written")

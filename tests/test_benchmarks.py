@@ -3,6 +3,7 @@ tables build on CPU and use only labels lessonlib.results declares; the committe
 and the peers the notebooks plot."""
 
 import importlib
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -336,3 +337,40 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
     assert {r["impl"] for r in recorded.records} == {Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL,
                                                      Impl.HF_SERVE}
     assert plots.serving_latency(recorded).axes and plots.serving_latency(recorded, workload="shared prefix").axes
+    import bench_serving
+
+    assert recorded.notes["targets"] == bench_serving.targets(recorded.records)  # computed from the run's records
+
+
+def serving_row(impl, rate, ttft_p99_ms, itl_p99_ms, tokens_per_s, failed=0):
+    return {"op": Op.SERVING, "impl": impl, "shape": {"rate": rate, "workload": "random"}, "failed": failed,
+            "ttft_ms": {"p99": ttft_p99_ms}, "itl_ms": {"p99": itl_p99_ms}, "output_tokens_per_s": tokens_per_s}
+
+
+def test_serving_targets_are_read_from_the_records():
+    """Issue 26's verdicts on hand-made records: the knee is the highest rate before the first one past 2 s (or with a
+    failure), the latencies are compared at the peer's knee, the saturation throughput is each schedule's best."""
+    import bench_serving
+
+    rng = random.Random()
+    peer_knee = 2.0 ** rng.randrange(1, 4)
+    rates = [2.0 ** k for k in range(1, 8)]
+    records, peer = [], {}
+    for rate in rates:
+        ttft = 2500.0 if rate > peer_knee else rng.uniform(50, 1999)
+        peer[rate] = serving_row(Impl.HF_SERVE, rate, ttft, 40.0, 500.0)
+    records += peer.values()
+    ours_knee = peer_knee * rng.choice([1, 2, 4])
+    for impl, tokens in ((Impl.SERVER_CHUNKED_PREFILL, 960.0), (Impl.SERVER_NO_CHUNKED_PREFILL, 1000.0)):
+        for rate in rates:
+            failed = int(rate > ours_knee)  # past our knee by a failure, not by TTFT
+            records.append(serving_row(impl, rate, rng.uniform(10, 1000), rng.uniform(5, 30), tokens, failed))
+    got = bench_serving.targets(records)
+    assert got["knee_rate"] == {Impl.HF_SERVE: peer_knee, Impl.SERVER_CHUNKED_PREFILL: ours_knee,
+                                Impl.SERVER_NO_CHUNKED_PREFILL: ours_knee}
+    for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
+        ours = next(r for r in records if r["impl"] == impl and r["shape"]["rate"] == peer_knee)
+        ratios = [ours[k]["p99"] / peer[peer_knee][k]["p99"] for k in ("ttft_ms", "itl_ms")]
+        assert got[impl]["met_knee"] == (ours_knee >= 2 * peer_knee)
+        assert got[impl]["met_latency_at_peer_knee"] == all(r <= 0.5 for r in ratios)
+    assert got["saturation_chunked_over_prefill_first"] == 0.96 and got["met_saturation"] is True

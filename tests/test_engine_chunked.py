@@ -110,6 +110,10 @@ def test_the_timeline_shows_prefill_first_stalling_the_decodes_and_chunking_not(
     assert [step["tokens"][-1] for step in timelines[Impl.CHUNKED_PREFILL]] == [0] * (chunks - 1) + [1] * sizes["after"]
     latency = chunked_prefill.summary(recorded)
     assert all(row["ttft_s"] > 0 and row["itl_max_s"] >= row["itl_median_s"] > 0 for row in latency.values())
+    p99 = {r["impl"]: r["itl_p99_s"] for r in run.records}
+    assert all(r["itl_max_s"] >= r["itl_p99_s"] >= r["itl_median_s"] for r in run.records)
+    target = chunked_prefill.itl_target(recorded)
+    assert target["met"] == (p99[Impl.CHUNKED_PREFILL] <= 0.5 * p99[Impl.PREFILL_FIRST])
     assert plots.chunked_prefill_timeline(recorded).axes
 
 

@@ -67,7 +67,7 @@ def test_a_cancelled_stream_frees_its_blocks_and_the_other_request_runs_on(llm):
         kept = engine.generate(kept_prompt, greedy(30), request_id="kept")
         cut = engine.generate(cut_prompt, greedy(70), request_id="cut")
         first_kept, first_cut = await asyncio.gather(kept.__anext__(), cut.__anext__())  # admitted together
-        kept_seq, cut_seq = engine._streams["kept"].seq, engine._streams["cut"].seq
+        kept_seq, cut_seq = engine._streams["kept"].seqs[0], engine._streams["cut"].seqs[0]
         both = llm.num_blocks_in_use()
         assert len(llm.scheduler.running) == 2 and both == len(kept_seq.block_table) + len(cut_seq.block_table)
         cut_tokens = len((await cut.__anext__()).outputs[0].token_ids)

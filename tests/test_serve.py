@@ -196,3 +196,100 @@ def test_metrics_parse_as_prometheus_text_and_count_what_was_served(client, base
     assert after["lessonlib:inter_token_latency_seconds_count"] - \
         before.get("lessonlib:inter_token_latency_seconds_count", 0) == n - 1
     assert after["lessonlib:kv_blocks_total"] == NUM_BLOCKS and after["lessonlib:num_requests_waiting"] == 0
+
+
+@pytest.fixture(scope="module")
+def offline():
+    """The server's engine, offline in this process: the same checkpoint and settings (its logprobs are the oracle
+    for what the server sends)."""
+    from lessonlib.engine import LLM
+    from lessonlib.engine.features import PLAIN_PYTORCH
+
+    return LLM(model=str(tiny_model.build()), dtype="auto", max_model_len=MAX_MODEL_LEN, num_blocks=NUM_BLOCKS,
+               max_num_seqs=4, features=PLAIN_PYTORCH)
+
+
+def test_completion_logprobs_are_the_engines_own(client, offline):
+    # A prompt shorter than a KV block: no request finds it in the prefix cache, so the server's engine computes
+    # every request here exactly as the offline one does (a cached prefix changes the float32 sums' order).
+    prompt = next(p for p in iter(random_prompt, None) if len(offline.tokenizer.encode(p)) < offline.block_size)
+    n, top = random.randrange(2, 6), random.randrange(1, 4)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=top, **GREEDY)
+    expected = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=n, logprobs=top,
+                                                       ignore_eos=True))[0].outputs[0]
+    got = whole.choices[0].logprobs
+    assert whole.choices[0].text == expected.text
+    assert got.token_logprobs == [entry[t].logprob for t, entry in zip(expected.token_ids, expected.logprobs)]
+    assert got.tokens == [entry[t].decoded_token for t, entry in zip(expected.token_ids, expected.logprobs)]
+    assert got.top_logprobs == [{lp.decoded_token: lp.logprob for lp in entry.values()} for entry in expected.logprobs]
+    assert got.text_offset == [sum(map(len, got.tokens[:i])) for i in range(n)]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, logprobs=top, stream=True,
+                                            **GREEDY))
+    assert [lp for c in chunks for lp in c.choices[0].logprobs.token_logprobs] == got.token_logprobs
+
+
+def test_chat_logprobs_give_the_top_tokens_by_rank(client):
+    messages = [{"role": "user", "content": random_prompt()}]
+    n, top = random.randrange(2, 5), random.randrange(1, 4)
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, logprobs=True,
+                                           top_logprobs=top, **GREEDY)
+    content = whole.choices[0].logprobs.content
+    assert len(content) == n and "".join(c.token for c in content) == whole.choices[0].message.content
+    for entry in content:
+        ranked = [t.logprob for t in entry.top_logprobs]
+        assert len(ranked) == top and ranked == sorted(ranked, reverse=True)
+        assert (entry.token, entry.logprob) == (entry.top_logprobs[0].token, ranked[0])  # greedy: rank 1
+        assert entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, logprobs=True,
+                                                 top_logprobs=top, stream=True, **GREEDY))
+    streamed = [e for c in chunks if c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    # the same tokens; not the same float32 logprobs: this prompt's first blocks now come from the prefix cache
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert all(len(e.top_logprobs) == top and e.logprob == e.top_logprobs[0].logprob for e in streamed)
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=n, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def texts_by_choice(chunks) -> dict[int, str]:
+    texts = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + choice.text
+    return texts
+
+
+def test_n_greedy_gives_identical_choices_streamed_and_whole(client):
+    prompt, n = random_prompt(), random.randrange(2, 5)
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, n=2, **GREEDY)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.usage.completion_tokens == 2 * n
+    assert whole.choices[0].text == whole.choices[1].text and whole.choices[0].text
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=n, n=2, stream=True, **GREEDY))
+    assert all(len(c.choices) == 1 for c in chunks)  # one choice per chunk, named by its index
+    assert texts_by_choice(chunks) == {0: whole.choices[0].text, 1: whole.choices[1].text}
+    finished = [c.choices[0].index for c in chunks if c.choices[0].finish_reason == "length"]
+    assert sorted(finished) == [0, 1]
+
+
+def test_n_sampled_with_a_seed_gives_the_samples_of_seeds_seed_and_seed_plus_one(client):
+    messages = [{"role": "user", "content": random_prompt()}]
+    n, seed = random.randrange(3, 6), random.randrange(2**31)
+    sampled = dict(temperature=1.0, max_tokens=n, extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(model=MODEL, messages=messages, n=2, seed=seed, **sampled)
+    each = [client.chat.completions.create(model=MODEL, messages=messages, seed=s, **sampled).choices[0]
+            for s in (seed, seed + 1)]
+    assert [c.message.content for c in both.choices] == [c.message.content for c in each]
+    assert [c.index for c in both.choices] == [0, 1] and both.usage.completion_tokens == 2 * n
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, seed=seed, stream=True,
+                                                 **sampled))
+    streamed = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            streamed[choice.index] = streamed.get(choice.index, "") + (choice.delta.content or "")
+    assert streamed == {0: each[0].message.content, 1: each[1].message.content}
+
+
+def test_top_logprobs_without_logprobs_is_refused(client):
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=1,
+                                       top_logprobs=2)
+    assert raised.value.response.json()["error"]["param"] == "top_logprobs"

@@ -2,8 +2,8 @@
 # The course's checks on a GPU machine: the whole test suite and every notebook under nbval, natively and as the
 # GPUs students have (LESSONLIB_GPU_PROFILE=t4, g4, ...), each notebook's peak GPU memory kept beside its log.
 #
-#   bash tools/gpu_check.sh wheels                  # on a machine with the network: fill .whl/ (see below)
-#   bash tools/gpu_check.sh install                 # on the GPU machine: install from .whl/ only, no network
+#   bash tools/gpu_check.sh wheels [serve]          # on a machine with the network: fill .whl/ (see below)
+#   bash tools/gpu_check.sh install [serve]         # on the GPU machine: install from .whl/ only, no network
 #   bash tools/gpu_check.sh tests [PROFILE...] [-- PYTEST_ARGS...]   # default profiles: native t4; args: tests
 #   bash tools/gpu_check.sh notebooks [PROFILE...]  # default profiles: native t4 g4
 #
@@ -22,6 +22,14 @@
 # tests: the whole `pytest tests`, tests/ops/test_compile_targets.py included (it compiles for every architecture
 # through a stand-in driver, needs no GPU, and there it checks the machine's own Triton, 3.6 on the lab's H200).
 # The browser tests skip there (no Chromium, JupyterLab or Playwright), each with its reason.
+#
+# `wheels serve` / `install serve`: lesson 07's serving benchmark instead (tools/gpu_serving.sh): the server's
+# packages (pyproject's `serve` extra) and what `transformers serve --continuous-batching` and the openai client need
+# (transformers' `serving` extra: fastapi, uvicorn, pydantic, openai, rich, accelerate), at requirements-dev.txt's
+# pins, with their dependencies (about 9 MB). accelerate comes without its dependencies (they are torch's and
+# transformers': the machine has them; psutil is carried in case it does not). A distribution the machine has is
+# left alone unless a carried wheel requires a newer one than it has (then the carried one goes first, and
+# `install` says so).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 what=${1:-}; shift || true
@@ -31,6 +39,9 @@ wheels=.whl
 site=.gpu-site
 # What the GPU machine lacks for tests and notebooks (requirements-dev.txt's pins), for its Python.
 missing=("nbval>=0.11" "nbformat>=5.9" "nbclient>=0.10" "ipykernel>=6.29" "ipywidgets>=8.1")
+# What it lacks for the serving benchmark, pinned where requirements-dev.txt pins them.
+serve_pins() { grep -E '^(fastapi|uvicorn|openai)==' requirements-dev.txt; echo "pydantic>=2"; echo rich; }
+serve_no_deps=("$(grep -E '^accelerate==' requirements-dev.txt)" psutil)
 target_python=${TARGET_PYTHON:-3.12}
 
 profiles=()
@@ -45,14 +56,30 @@ install() {
     [ -d "$wheels" ] || { echo "gpu_check: no $wheels/ here: run 'bash tools/gpu_check.sh wheels' where there is a network, and carry $wheels" >&2; return 2; }
     local wanted
     wanted=$("$python" - "$wheels" "$site" <<'EOF'
-import importlib.metadata, pathlib, re, sys
+import email, importlib.metadata, pathlib, re, sys, zipfile
+from packaging.requirements import Requirement
 wheels, site = sys.argv[1:]
 sys.path.insert(0, site)
-for wheel in sorted(pathlib.Path(wheels).glob("*.whl")):
-    name = re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+norm = lambda name: re.sub(r"[-_.]+", "-", name).lower()
+carried = {norm(w.name.split("-")[0]): w for w in sorted(pathlib.Path(wheels).glob("*.whl"))}
+needs = {}  # what the carried wheels require of each distribution
+for wheel in carried.values():
+    with zipfile.ZipFile(wheel) as z:
+        meta = email.message_from_bytes(z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))))
+    for line in meta.get_all("Requires-Dist") or []:
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate({"extra": ""}):
+            needs.setdefault(norm(req.name), []).append(req)
+for name, wheel in carried.items():
     try:
-        importlib.metadata.distribution(name)
+        have = importlib.metadata.distribution(name).version
     except importlib.metadata.PackageNotFoundError:
+        print(wheel)
+        continue
+    too_old = [str(r) for r in needs.get(name, []) if not r.specifier.contains(have, prereleases=True)]
+    if too_old:
+        print(f"gpu_check: {name} {have} is here but {', '.join(too_old)} is needed: the carried one goes first",
+              file=sys.stderr)
         print(wheel)
 EOF
 )
@@ -60,7 +87,9 @@ EOF
         # shellcheck disable=SC2086
         "$python" -m pip install -q --no-index --no-deps --target "$site" $wanted || return 1
     fi
-    PYTHONPATH="$PWD/$site" "$python" -c "import nbval, nbclient, ipykernel, ipywidgets; print('gpu_check: nbval, nbclient, ipykernel, ipywidgets importable')"
+    local modules="nbval, nbclient, ipykernel, ipywidgets"
+    [ "${1:-}" = serve ] && modules="fastapi, uvicorn, pydantic, starlette, openai, accelerate, prometheus_client, httpx"
+    PYTHONPATH="$PWD/$site" "$python" -c "import $modules; print('gpu_check: $modules importable')"
 }
 
 export PYTHONPATH="$PWD/$site:$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -70,13 +99,20 @@ status=0
 case "$what" in
     wheels)
         rm -rf "$wheels"
-        "$python" -m pip download -q -d "$wheels" --only-binary=:all: --python-version "$target_python" \
-            --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-            --platform manylinux_2_28_x86_64 "${missing[@]}" || exit 1
+        download=("$python" -m pip download -q -d "$wheels" --only-binary=:all: --python-version "$target_python"
+                  --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64
+                  --platform manylinux_2_28_x86_64)
+        if [ "${profiles[0]:-}" = serve ]; then
+            mapfile -t pins < <(serve_pins)
+            "${download[@]}" "${pins[@]}" || exit 1
+            "${download[@]}" --no-deps "${serve_no_deps[@]}" || exit 1
+        else
+            "${download[@]}" "${missing[@]}" || exit 1
+        fi
         echo "gpu_check: $(ls "$wheels" | wc -l) wheels, $(du -sh "$wheels" | cut -f1) in $wheels/ (for Python $target_python)"
         ;;
     install)
-        install || exit 1
+        install "${profiles[0]:-}" || exit 1
         ;;
     tests)
         [ ${#profiles[@]} -gt 0 ] || profiles=(native t4)

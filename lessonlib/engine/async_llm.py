@@ -5,6 +5,10 @@
         out.outputs[0].text, out.finished         # cumulative, as vLLM's default RequestOutputKind
     await engine.abort("a")                       # or just stop iterating: the request is aborted
 
+``SamplingParams.n`` > 1 runs the prompt's ``n`` samples as ``n`` sequences (seeds ``seed + i``, as
+``LLM.generate``), one ``RequestOutput`` with ``n`` completions; a completion's ``logprobs`` are those of its tokens
+so far (their ``decoded_token`` filled in once it finishes).
+
 One background task steps the engine; ``LLM.step`` runs in a worker thread, so the event loop (an HTTP server's)
 keeps answering while the model computes. The engine's state is changed only between steps and only from the event
 loop: a request added or aborted while a step runs is applied as soon as that step returns, one added or aborted while
@@ -19,9 +23,10 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from lessonlib.engine.llm import LLM, PENDING
+from lessonlib.engine.outputs import completion
 from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
 
 
@@ -30,8 +35,14 @@ class _Stream:
     prompt: object
     params: SamplingParams
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seq: Sequence | None = None  # set once the engine has the request
-    sent: int = 0  # output tokens already put on the queue
+    seqs: list[Sequence] = field(default_factory=list)  # the n samples, set once the engine has the request
+    sent: list[int] = field(default_factory=list)  # each sample's output tokens already put on the queue
+
+
+def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of a request's ``n`` samples: one sequence, seeded ``seed + i`` (``LLM.generate``'s rule)."""
+    seed = params.seed if params.seed is None or i == 0 else (params.seed + i) % 2**64
+    return replace(params, n=1, seed=seed)
 
 
 class AsyncLLM:
@@ -96,10 +107,11 @@ class AsyncLLM:
         """Aborts, then additions, applied to the engine (called only while no step runs)."""
         for request_id in self._to_abort:
             stream = self._streams.pop(request_id, None)
-            if stream is not None and stream.seq is not None:
-                self.num_aborted += self.llm.abort_request(stream.seq)
+            if stream is not None and stream.seqs:
+                self.num_aborted += any([self.llm.abort_request(seq) for seq in stream.seqs])
                 # its last output, for a consumer still listening (an abort() from elsewhere)
-                stream.queue.put_nowait(self._output(request_id, stream.seq, stream.seq.output_token_ids, True))
+                known = [seq.output_token_ids for seq in stream.seqs]
+                stream.queue.put_nowait(self._output(request_id, stream.seqs, known))
             elif stream is not None:
                 stream.queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted before it started"))
         self._to_abort.clear()
@@ -108,8 +120,12 @@ class AsyncLLM:
             if stream is None:  # aborted before it started
                 continue
             try:
-                stream.seq = self.llm.add_request(stream.prompt, stream.params)
+                for i in range(stream.params.n):
+                    stream.seqs.append(self.llm.add_request(stream.prompt, _sample_params(stream.params, i)))
+                    stream.sent.append(0)
             except Exception as error:  # checked in generate(); the engine's own refusal still reaches the caller
+                for seq in stream.seqs:
+                    self.llm.abort_request(seq)
                 self._streams.pop(request_id)
                 stream.queue.put_nowait(error)
         self._to_add.clear()
@@ -139,26 +155,33 @@ class AsyncLLM:
 
     def _publish(self) -> None:
         for request_id, stream in list(self._streams.items()):
-            seq = stream.seq
-            if seq is None:
+            if not stream.seqs:
                 continue
-            known = seq.output_token_ids
-            if PENDING in known:
-                known = known[:known.index(PENDING)]
-            done = seq.status is Status.FINISHED
-            if len(known) > stream.sent or done:
-                stream.sent = len(known)
-                stream.queue.put_nowait(self._output(request_id, seq, known, done))
+            known = [seq.output_token_ids for seq in stream.seqs]
+            known = [ids[:ids.index(PENDING)] if PENDING in ids else ids for ids in known]
+            done = all(seq.status is Status.FINISHED for seq in stream.seqs)
+            if done or any(len(ids) > sent for ids, sent in zip(known, stream.sent)):
+                stream.sent = [len(ids) for ids in known]
+                stream.queue.put_nowait(self._output(request_id, stream.seqs, known))
             if done:
                 del self._streams[request_id]
 
-    def _output(self, request_id: str, seq: Sequence, ids: list[int], done: bool) -> RequestOutput:
-        tokenizer = self.llm.tokenizer
-        text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
-        completion = CompletionOutput(0, text, list(ids), seq.finish_reason if done else None)
-        return RequestOutput(request_id, seq.prompt, seq.token_ids[:seq.num_prompt_tokens], [completion],
-                             num_cached_tokens=seq.num_prompt_cached_tokens, num_preemptions=seq.num_preemptions,
-                             finished=done)
+    def _output(self, request_id: str, seqs: list[Sequence], known: list[list[int]]) -> RequestOutput:
+        """The request's output so far: ``known[i]`` the tokens of sample i that reached the host. A finished sample
+        is given as ``LLM.generate`` gives it (its text cut at a stop string, its logprobs' tokens decoded)."""
+        tokenizer, first = self.llm.tokenizer, seqs[0]
+        completions = []
+        for i, (seq, ids) in enumerate(zip(seqs, known)):
+            if seq.status is Status.FINISHED:
+                completions.append(completion(tokenizer, seq, i))
+                continue
+            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
+            logprobs = seq.logprobs[:len(ids)] if seq.logprobs is not None else None
+            completions.append(CompletionOutput(i, text, list(ids), None, logprobs=logprobs))
+        return RequestOutput(request_id, first.prompt, first.token_ids[:first.num_prompt_tokens], completions,
+                             num_cached_tokens=first.num_prompt_cached_tokens,
+                             num_preemptions=sum(seq.num_preemptions for seq in seqs),
+                             finished=all(seq.status is Status.FINISHED for seq in seqs))
 
     # --- state, for the server's metrics -----------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """The OpenAI-compatible routes (FastAPI), over an ``AsyncLLM``.
 
-    POST /v1/completions, /v1/chat/completions   one prompt (or conversation) each; ``stream`` sends server-sent
-                                                 events (``data: {...}`` per step with new text, ``data: [DONE]``)
+    POST /v1/completions, /v1/chat/completions   one prompt (or conversation) each, ``n`` choices, ``logprobs``;
+                                                 ``stream`` sends server-sent events (``data: {...}`` per choice per
+                                                 step with new tokens, naming its index; ``data: [DONE]``)
     GET  /v1/models, /health, /metrics
 
 Every refusal is a 4xx with OpenAI's error body ``{"error": {"message", "type", "param", "code"}}``, raised before
@@ -17,6 +18,7 @@ import contextlib
 import json
 import time
 import uuid
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -24,8 +26,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from lessonlib.engine.async_llm import AsyncLLM
 from lessonlib.engine.serve.metrics import Metrics
-from lessonlib.engine.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_prompt,
-                                             sampling_params)
+from lessonlib.engine.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs,
+                                             chat_prompt, completion_logprobs, sampling_params)
 
 DISCONNECT_POLL_S = 0.25  # how often a plain (non-streaming) request checks that its client is still there
 
@@ -92,7 +94,7 @@ async def _serve(request: Request, body, prompt, chat: bool):
     params = sampling_params(body, len(ids), engine.llm.max_model_len)
     request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     outputs = engine.generate({"prompt_token_ids": ids}, params, request_id)  # starts on its first iteration
-    stream = _Answer(request_id, state, chat, len(ids), time.perf_counter())
+    stream = _Answer(request_id, state, chat, len(ids), time.perf_counter(), params)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(stream.events(outputs, usage), media_type="text/event-stream")
@@ -131,72 +133,118 @@ async def _unless_disconnected(request: Request, work):
             raise ApiError("the client disconnected", status=499, code="client_closed_request")
 
 
-class _Answer:
-    """One request's answer: the deltas of its cumulative outputs, as OpenAI's chunks or one response."""
+@dataclass
+class _Choice:
+    """What one of a request's ``n`` choices has sent so far."""
 
-    def __init__(self, request_id: str, state, chat: bool, prompt_tokens: int, arrived: float):
+    tokens: int = 0  # its output tokens
+    text: str = ""
+    offset: int = 0  # completions' text_offset of its next logprobs token
+    finish: str | None = None
+    logprobs: list = field(default_factory=list)  # every logprobs piece sent (completions: dicts; chat: entries)
+
+
+class _Answer:
+    """One request's answer: the deltas of its cumulative outputs, as OpenAI's chunks (each naming its choice's
+    index) or one response with its ``n`` choices."""
+
+    def __init__(self, request_id: str, state, chat: bool, prompt_tokens: int, arrived: float, params):
         self.id, self.model, self.chat = request_id, state.model_name, chat
+        self.tokenizer = state.engine.llm.tokenizer
         self.metrics: Metrics = state.metrics
         self.prompt_tokens, self.arrived, self.created = prompt_tokens, arrived, int(time.time())
-        self.sent_tokens, self.sent_text, self.last = 0, "", None
+        self.top = params.logprobs  # None: no logprobs asked
+        self.choices = [_Choice() for _ in range(params.n)]
+        self.last = None
         self.metrics.prompt.inc(prompt_tokens)
 
-    def _delta(self, out) -> tuple[str, str | None]:
-        """The text not sent yet (a trailing partial UTF-8 character held back until it completes) and the finish
-        reason; records the new tokens' timing."""
-        completion = out.outputs[0]
-        now = time.perf_counter()
-        self.metrics.tokens(self.arrived, self.last, now, len(completion.token_ids) - self.sent_tokens)
-        if len(completion.token_ids) > self.sent_tokens:
-            self.last = now
-        self.sent_tokens = len(completion.token_ids)
-        text = completion.text or ""
-        if not out.finished:
-            text = text.rstrip("\ufffd")
-        delta, self.sent_text = text[len(self.sent_text):], max(text, self.sent_text, key=len)
+    def _deltas(self, out) -> list[tuple[int, str, object, str | None]]:
+        """Per choice with something new: (index, the text not sent yet (a trailing partial UTF-8 character held
+        back until it completes), the new tokens' logprobs or None, its finish reason once it finished); records the
+        new tokens' timing."""
+        now, deltas = time.perf_counter(), []
+        new = sum(len(c.token_ids) - self.choices[c.index].tokens for c in out.outputs)
+        self.metrics.tokens(self.arrived, self.last, now, new)
+        self.last = now if new > 0 else self.last
+        for completion in out.outputs:
+            choice = self.choices[completion.index]
+            ids = completion.token_ids[choice.tokens:]
+            logprobs = None if self.top is None else self._logprobs(choice, ids, completion.logprobs[choice.tokens:])
+            choice.tokens = len(completion.token_ids)
+            text = completion.text or ""
+            if completion.finish_reason is None:
+                text = text.rstrip("\ufffd")
+            delta, choice.text = text[len(choice.text):], max(text, choice.text, key=len)
+            finish = completion.finish_reason if choice.finish is None else None  # named once
+            choice.finish = choice.finish or completion.finish_reason
+            if delta or ids or finish:
+                deltas.append((completion.index, delta, logprobs, finish))
         if out.finished:
-            self.metrics.finished.labels(**self.metrics.labels, finished_reason=completion.finish_reason).inc()
-        return delta, completion.finish_reason
+            self.metrics.finished.labels(**self.metrics.labels, finished_reason=self.choices[0].finish).inc()
+        return deltas
+
+    def _logprobs(self, choice: _Choice, ids: list[int], entries: list[dict]):
+        if self.chat:
+            piece = {"content": chat_logprobs(self.tokenizer, ids, entries, self.top)}
+            choice.logprobs += piece["content"]
+        else:
+            piece, choice.offset = completion_logprobs(self.tokenizer, ids, entries, choice.offset)
+            choice.logprobs.append(piece)
+        return piece
 
     def _usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.sent_tokens,
-                "total_tokens": self.prompt_tokens + self.sent_tokens}
+        completion_tokens = sum(choice.tokens for choice in self.choices)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": completion_tokens,
+                "total_tokens": self.prompt_tokens + completion_tokens}
 
-    def _chunk(self, delta: str | None, finish: str | None, first: bool = False) -> dict:
-        if self.chat:
+    def _chunk(self, index: int | None, delta: str | None, logprobs=None, finish: str | None = None,
+               first: bool = False) -> dict:
+        if index is None:  # the usage chunk
+            choices = []
+        elif self.chat:
             message = {"role": "assistant", "content": ""} if first else ({"content": delta} if delta else {})
-            choice = {"index": 0, "delta": message, "logprobs": None, "finish_reason": finish}
+            choices = [{"index": index, "delta": message, "logprobs": logprobs, "finish_reason": finish}]
         else:
-            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+            choices = [{"index": index, "text": delta or "", "logprobs": logprobs, "finish_reason": finish}]
         return {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice]}
+                "created": self.created, "model": self.model, "choices": choices}
 
     async def events(self, outputs, usage: bool):
-        """Server-sent events: a chunk per step that gave new text or finished, then usage (if asked), [DONE]."""
+        """Server-sent events: a chunk per choice per step that gave it new tokens or finished it, then usage (if
+        asked), [DONE]."""
         try:
             if self.chat:
-                yield _sse(self._chunk(None, None, first=True))
+                for index in range(len(self.choices)):
+                    yield _sse(self._chunk(index, None, first=True))
             async for out in outputs:
-                delta, finish = self._delta(out)
-                if delta or out.finished:
-                    yield _sse(self._chunk(delta, finish if out.finished else None))
+                for index, delta, logprobs, finish in self._deltas(out):
+                    yield _sse(self._chunk(index, delta, logprobs, finish))
         finally:  # a client that went away: its request is aborted as ``outputs`` closes (AsyncLLM.num_aborted)
             await outputs.aclose()
         if usage:
-            yield _sse({**self._chunk(None, None), "choices": [], "usage": self._usage()})
+            yield _sse({**self._chunk(None, None), "usage": self._usage()})
         yield "data: [DONE]\n\n"
 
     async def whole(self, outputs) -> dict:
-        finish = None
         async for out in outputs:
-            _, finish = self._delta(out)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.sent_text}, "logprobs": None,
-                      "finish_reason": finish}
-        else:
-            choice = {"index": 0, "text": self.sent_text, "logprobs": None, "finish_reason": finish}
+            self._deltas(out)
+        choices = []
+        for index, choice in enumerate(self.choices):
+            logprobs = None if self.top is None else self._whole_logprobs(choice)
+            if self.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": choice.text},
+                                "logprobs": logprobs, "finish_reason": choice.finish})
+            else:
+                choices.append({"index": index, "text": choice.text, "logprobs": logprobs,
+                                "finish_reason": choice.finish})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.model, "choices": [choice], "usage": self._usage()}
+                "created": self.created, "model": self.model, "choices": choices, "usage": self._usage()}
+
+    def _whole_logprobs(self, choice: _Choice) -> dict:
+        if self.chat:
+            return {"content": choice.logprobs}
+        return {key: [x for piece in choice.logprobs for x in piece[key]]
+                for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def _sse(payload: dict) -> str:

@@ -1,5 +1,5 @@
-"""The OpenAI API's request bodies (the fields this server reads), its error body, and the one mapping from a request
-onto the engine's ``SamplingParams`` (vLLM's names).
+"""The OpenAI API's request bodies (the fields this server reads), its error body, the one mapping from a request
+onto the engine's ``SamplingParams`` (vLLM's names), and the engine's logprobs in the API's two shapes.
 
 A sampling field the engine's ``SamplingParams`` does not have yet is refused with a 400 "not supported" when the
 request sets it; once ``SamplingParams`` gains a field of that name, it passes through here unchanged.
@@ -86,6 +86,8 @@ def sampling_params(request: _Request, prompt_tokens: int, max_model_len: int) -
     values = {name: getattr(request, name, None) for name in SAMPLING_FIELDS}
     if isinstance(request, ChatCompletionRequest):
         values["max_tokens"] = request.max_completion_tokens or request.max_tokens
+        if request.top_logprobs is not None and not request.logprobs:
+            raise ApiError("top_logprobs needs logprobs set to true", param="top_logprobs")
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
     if isinstance(values["stop"], str):
         values["stop"] = [values["stop"]]
@@ -129,3 +131,42 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
         return tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
     text = "".join(f"<|im_start|>{t['role']}\n{t['content']}<|im_end|>\n" for t in turns)
     return text + "<|im_start|>assistant\n"
+
+
+def token_text(tokenizer, token: int, logprob) -> str:
+    """A token as the API names it: its text (the engine's ``decoded_token``), or ``token_id:N`` without a tokenizer
+    (vLLM's spelling)."""
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token]) if tokenizer is not None else f"token_id:{token}"
+
+
+def completion_logprobs(tokenizer, ids: list[int], entries: list[dict], offset: int) -> tuple[dict, int]:
+    """Completions' shape for the tokens ``ids`` and their engine entries ({token: Logprob}, the chosen token and the
+    ``logprobs`` most likely): ``tokens``, ``token_logprobs``, ``top_logprobs`` (each entry, as vLLM: the chosen token
+    among them) and ``text_offset`` (from ``offset``, where the first token's text starts); and the next offset."""
+    shape = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for token, entry in zip(ids, entries):
+        text = token_text(tokenizer, token, entry[token])
+        shape["tokens"].append(text)
+        shape["token_logprobs"].append(entry[token].logprob)
+        shape["top_logprobs"].append({token_text(tokenizer, t, lp): lp.logprob for t, lp in entry.items()})
+        shape["text_offset"].append(offset)
+        offset += len(text)
+    return shape, offset
+
+
+def chat_logprobs(tokenizer, ids: list[int], entries: list[dict], top: int) -> list[dict]:
+    """Chat's ``logprobs.content`` for the tokens ``ids``: each token, its logprob and UTF-8 bytes, and its
+    ``top_logprobs``: the ``top`` most likely tokens by rank (the chosen one only if it is among them)."""
+    content = []
+    for token, entry in zip(ids, entries):
+        best = sorted(((lp.rank, t, lp) for t, lp in entry.items() if lp.rank <= top), key=lambda x: x[0])[:top]
+        content.append({**_chat_token(tokenizer, token, entry[token]),
+                        "top_logprobs": [_chat_token(tokenizer, t, lp) for _, t, lp in best]})
+    return content
+
+
+def _chat_token(tokenizer, token: int, logprob) -> dict:
+    text = token_text(tokenizer, token, logprob)
+    return {"token": text, "logprob": logprob.logprob, "bytes": list(text.encode("utf-8"))}
