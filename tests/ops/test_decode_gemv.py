@@ -1,0 +1,182 @@
+"""ops.decode_gemv and ops.decode_qkv_rope_store_kv against their references in float64: the RMSNorm prologue, the
+SwiGLU, residual-add and RoPE + K/V-write epilogues, odd shapes (K not a multiple of the tile, N not a multiple of
+the program's columns), outputs and caches poisoned, the errors raised before any launch, and planted bugs that the
+checks must catch."""
+
+import importlib
+
+import pytest
+import torch
+
+from lessonlib import ops, reference
+from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from tests.conftest import DEVICE, randn
+
+module = importlib.import_module("lessonlib.ops.decode_gemv")
+
+
+def small_tiles(monkeypatch):
+    """The GPU's shape of configuration at interpreter sizes: a few outputs per program and K in tiles, so that
+    several programs, a last one partly past N and a ragged last K tile all run."""
+    monkeypatch.setattr(module, "config", lambda n_out, k, paired: {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4})
+
+
+def normed_magnitude(x, weight, bias, norm_weight, eps):
+    """The largest sum of |terms| of an output (float64): the scale of a float32 accumulation's roundings."""
+    x, weight = x.double(), weight.double()
+    if norm_weight is not None:
+        x = reference.add_rms_norm(x, torch.zeros_like(x), norm_weight.double(), eps)[0]
+    terms = x.abs() @ weight.abs().T + (bias.double().abs() if bias is not None else 0)
+    return terms
+
+
+def check_decode_gemv(m, n, k, dtype, norm, activation, with_residual, with_bias, eps=1e-5):
+    x = randn(m, k, dtype=dtype) * 3  # a stream well away from unit RMS: the prologue's rstd matters
+    weight = randn(n, k, dtype=dtype, scale=k ** -0.5)
+    bias = randn(n, dtype=dtype) if with_bias else None
+    norm_weight = (1 + 0.5 * randn(k)).to(dtype) if norm else None
+    residual = randn(m, n, dtype=dtype) if with_residual else None
+    kwargs = {"norm_weight": norm_weight, "eps": eps, "activation": activation}
+    args64 = to_float64(x, weight, *([bias] if with_bias else []))
+    truth = reference.decode_gemv(args64[0], args64[1], args64[2] if with_bias else None, eps=eps,
+                                  norm_weight=norm_weight.double() if norm else None, activation=activation,
+                                  residual=residual.double() if with_residual else None)
+    low = reference.decode_gemv(x, weight, bias, residual=residual.clone() if with_residual else None, **kwargs)
+    with poisoned_outputs():
+        out = ops.decode_gemv(x, weight, bias, residual=residual, **kwargs)
+    if with_residual:
+        assert out is residual  # updated in place
+    terms = normed_magnitude(x, weight, bias, norm_weight, eps)
+    if activation == "swiglu":
+        gate, up = terms.chunk(2, dim=-1)
+        terms = gate * up
+    magnitude = (terms + (residual.double().abs() if with_residual else 0)).max().item()
+    check_close("decode_gemv", out, truth, low, magnitude=magnitude)
+
+
+CASES = [  # (m, n, k, norm, activation, residual, bias): each option on, and together
+    (1, 7, 33, True, None, False, False),
+    (1, 300, 515, True, "swiglu", False, False),
+    (1, 123, 1000, False, None, True, False),
+    (2, 10, 77, True, None, True, True),
+    (1, 2 * 11, 50, True, "swiglu", False, True),
+]
+
+
+@pytest.mark.parametrize("m, n, k, norm, activation, residual, bias", CASES)
+def test_decode_gemv_matches_float64(m, n, k, norm, activation, residual, bias, dtype):
+    check_decode_gemv(m, n, k, dtype, norm, activation, residual, bias)
+
+
+@pytest.mark.parametrize("norm, activation, residual", [(True, "swiglu", False), (True, None, True)])
+def test_decode_gemv_with_the_gpus_small_tiles(monkeypatch, norm, activation, residual, dtype):
+    small_tiles(monkeypatch)
+    check_decode_gemv(1, 2 * 9, 50, dtype, norm, activation, residual, with_bias=True)  # K=50: a ragged tile
+    check_decode_gemv(1, 2 * 9, 64, dtype, norm, activation, residual, with_bias=False)  # K=64: no mask along K
+
+
+def qkv_inputs(m, heads, kv_heads, head_dim, k, dtype, block_size=4, with_bias=True):
+    width = (heads + 2 * kv_heads) * head_dim
+    x = randn(m, k, dtype=dtype) * 2
+    weight, norm_weight = randn(width, k, dtype=dtype, scale=k ** -0.5), (1 + 0.5 * randn(k)).to(dtype)
+    bias = randn(width, dtype=dtype) if with_bias else None
+    cos, sin = reference.rope_cos_sin(torch.randint(0, 4096, (m,), device=DEVICE), head_dim, dtype=dtype)
+    num_blocks = 2 * -(-m // block_size) + 1
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:m]
+    return x, weight, bias, norm_weight, cos, sin, k_cache, k_cache.clone(), slots
+
+
+def check_qkv(inputs, heads, kv_heads, eps=1e-5, launch=ops.decode_qkv_rope_store_kv):
+    """q and the two caches' written rows against float64; every other slot still poisoned."""
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = inputs
+    heads_kw = {"num_heads": heads, "num_kv_heads": kv_heads, "eps": eps}
+    f64 = [t.double() if t is not None else None for t in (x, weight, bias, norm_weight, cos, sin)]
+    k64, v64 = k_cache.double(), v_cache.double()
+    q_truth = reference.decode_qkv_rope_store_kv(*f64, k64, v64, slots, **heads_kw)
+    k_low, v_low = k_cache.clone(), v_cache.clone()
+    q_low = reference.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, cos, sin, k_low, v_low, slots, **heads_kw)
+    with poisoned_outputs():
+        q = launch(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots, **heads_kw)
+    terms = normed_magnitude(x, weight, bias, norm_weight, eps)
+    magnitude = 2 * terms.max().item()  # a rotated value mixes two columns, each times a cosine or a sine
+    check_close("decode_qkv_rope_store_kv q", q, q_truth, q_low, magnitude=magnitude)
+    rows = (lambda cache: cache.view(-1, kv_heads, cache.shape[-1])[slots])
+    for name, cache, truth, low in (("k_cache", k_cache, k64, k_low), ("v_cache", v_cache, v64, v_low)):
+        check_close(f"decode_qkv_rope_store_kv {name}", rows(cache), rows(truth), rows(low), magnitude=magnitude)
+        others = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=DEVICE)
+        others[slots] = False
+        assert cache.view(-1, kv_heads, cache.shape[-1])[others].isnan().all(), f"{name}: a slot not given written"
+
+
+@pytest.mark.parametrize("m, heads, kv_heads, head_dim, k", [(1, 4, 2, 16, 33), (2, 5, 1, 8, 100), (1, 14, 2, 4, 61)])
+def test_decode_qkv_rope_store_kv_matches_float64(m, heads, kv_heads, head_dim, k, dtype):
+    check_qkv(qkv_inputs(m, heads, kv_heads, head_dim, k, dtype), heads, kv_heads)
+
+
+def test_decode_qkv_rope_store_kv_with_the_gpus_small_tiles(monkeypatch, dtype):
+    """Four pairs per program: a program holds part of one head's two halves; K in tiles with a ragged end."""
+    small_tiles(monkeypatch)
+    check_qkv(qkv_inputs(1, 3, 1, 16, 50, dtype, with_bias=False), 3, 1)
+
+
+def swapped_cos_sin(x, weight, bias, norm_weight, cos, sin, *args, **kwargs):
+    return ops.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, sin, cos, *args, **kwargs)
+
+
+def without_norm(x, weight, bias, norm_weight, *args, **kwargs):
+    return ops.decode_qkv_rope_store_kv(x, weight, bias, None, *args, **kwargs)
+
+
+@pytest.mark.parametrize("bug", [swapped_cos_sin, without_norm], ids=["cos and sin swapped", "norm skipped"])
+def test_the_checks_catch_a_planted_bug(bug):
+    with pytest.raises(AssertionError):
+        check_qkv(qkv_inputs(1, 4, 2, 16, 33, torch.float32), 4, 2, launch=bug)
+
+
+def test_the_residual_check_catches_a_skipped_add(monkeypatch):
+    """A residual epilogue that stores y instead of stream + y (the plain store) must fail the check."""
+    monkeypatch.setattr(module, "RESIDUAL", module.STORE)
+    with pytest.raises(AssertionError):
+        check_decode_gemv(1, 7, 33, torch.float32, True, None, True, False)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), norm_weight=randn(7)), ValueError, r"norm_weight must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), residual=randn(1, 5)), ValueError, r"residual must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), activation="swiglu", residual=randn(1, 6)), ValueError,
+     "no residual"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), activation="gelu"), ValueError, "activation must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), norm_weight=randn(8), eps=0.0), ValueError, "eps"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), residual=randn(1, 6, dtype=torch.float16)), TypeError,
+     "mixed dtypes"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 9)), ValueError, "K=8"),
+])
+def test_decode_gemv_rejects_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_decode_gemv_refuses_a_residual_that_is_its_input_and_leaves_it_untouched():
+    stream = randn(1, 8)
+    before = stream.clone()
+    with pytest.raises(ValueError, match="shares memory"):
+        ops.decode_gemv(stream, randn(8, 8), residual=stream)
+    assert torch.equal(stream, before)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(weight=a["weight"][:-2], bias=a["bias"][:-2]), "rows"),
+    (lambda a: a.update(cos=a["cos"][:, :-2]), "cos must be"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :2]), "caches must be"),
+    (lambda a: a.update(slots=a["slots"].float()), "slots must be an integer"),
+    (lambda a: a.update(num_kv_heads=3), "caches must be"),
+])
+def test_decode_qkv_rope_store_kv_rejects_bad_input_before_writing(change, message):
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = qkv_inputs(1, 4, 2, 16, 33, torch.float32)
+    args = dict(x=x, weight=weight, bias=bias, norm_weight=norm_weight, cos=cos, sin=sin, k_cache=k_cache,
+                v_cache=v_cache, slots=slots, num_heads=4, num_kv_heads=2)
+    change(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        ops.decode_qkv_rope_store_kv(**args)
+    assert k_cache.isnan().all() and v_cache.isnan().all()
