@@ -325,9 +325,10 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                         (dtype, dtype, dtype, dtype, n // 2 if swiglu else n, 2048, 2048, 2048),
                         dict(HAS_BIAS=not swiglu, SWIGLU=swiglu, EVEN_K=True, **pdl, **config), config=config))
     # decode_gemv at Llama-3.2-1B's sizes (32 heads, 8 KV heads, D=64): registers only, like gemv; PDL from sm_90.
-    for i, (label, n_out, k, epilogue, norm) in enumerate((("qkv N=3072 K=2048 norm rope_kv", 1536, 2048, dg.ROPE_KV, True),
-                                                           ("gate_up N=16384 K=2048 norm swiglu", 8192, 2048, dg.SWIGLU, True),
-                                                           ("down N=2048 K=8192 residual", 2048, 8192, dg.RESIDUAL, False))):
+    decode_shapes = (("qkv N=3072 K=2048 norm rope_kv", 1536, 2048, dg.ROPE_KV, True),  # n_out: column pairs
+                     ("gate_up N=16384 K=2048 norm swiglu", 8192, 2048, dg.SWIGLU, True),
+                     ("down N=2048 K=8192 residual", 2048, 8192, dg.RESIDUAL, False))
+    for i, (label, n_out, k, epilogue, norm) in enumerate(decode_shapes):
         dtype = half[i % len(half)]
         config = dg.config(n_out, k, epilogue in (dg.SWIGLU, dg.ROPE_KV))
         out.append(Case("decode_gemv", dg._decode_gemv_kernel, label, dtype,

@@ -1,7 +1,9 @@
 """The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
 :func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default (but chunked_prefill, a
-scheduling choice lesson 07 compares, not a rung, and fused_decode_layer, off until measured on the H200); a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
-(in 16 bits each sums in its own order, so they agree up to near-ties).
+scheduling choice lesson 07 compares, not a rung, and fused_decode_layer, off until measured on the H200: it acts at
+batch 1 only, which the ladder's 32-seat workload hardly reaches; bench_engine.py measures it); a switch turned off
+runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32 (in 16 bits each
+sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
                          in lessonlib.reference (RoPE and the K/V write by tensor indexing, silu(gate) * up)

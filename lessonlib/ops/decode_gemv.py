@@ -26,9 +26,10 @@ rounded once from its float32 sum (+ bias); RoPE in float32 from the rounded q/k
 residual add in float32 from the rounded product and stream, rounded once. SwiGLU from the float32 sums, as
 ops.gemv does it.
 
-**PDL** (``ops._common.pdl``): before ``gdc_wait`` a program loads only its first weight tile(s), which no kernel of a decode
-step writes, and writes nothing; the stream, x, the bias, cos, sin and slots are read after the wait. A program reads and writes only its own columns of the stream (K4, K6), and
-a kernel that reads the whole stream (K1, K5) waits for the one that wrote it to end: safe in place, in a graph.
+**PDL** (``ops._common.pdl``): before ``gdc_wait`` a program loads only its first weight tile(s), which no kernel
+of a decode step writes, and writes nothing; the stream, x, the bias, cos, sin and slots are read after the wait. A
+program reads and writes only its own columns of the stream (K4, K6), and a kernel that reads the whole stream (K1,
+K5) waits for the one that wrote it to end: safe in place, in a graph.
 
 Launchers validate before any launch. No backward, no custom op: the engine calls them at batch-1 decode, eagerly
 or under CUDA-graph capture.

@@ -8,8 +8,8 @@ import importlib
 import pytest
 import torch
 
-from lessonlib import ops, reference
-from lessonlib.testing import check_close, poisoned_outputs, to_float64
+from lessonlib import ops, reference, runtime
+from lessonlib.testing import check_close, poisoned_outputs
 from tests.conftest import DEVICE, randn
 
 module = importlib.import_module("lessonlib.ops.decode_gemv")
@@ -36,21 +36,27 @@ def check_decode_gemv(m, n, k, dtype, norm, activation, with_residual, with_bias
     bias = randn(n, dtype=dtype) if with_bias else None
     norm_weight = (1 + 0.5 * randn(k)).to(dtype) if norm else None
     residual = randn(m, n, dtype=dtype) if with_residual else None
-    kwargs = {"norm_weight": norm_weight, "eps": eps, "activation": activation}
-    args64 = to_float64(x, weight, *([bias] if with_bias else []))
-    truth = reference.decode_gemv(args64[0], args64[1], args64[2] if with_bias else None, eps=eps,
-                                  norm_weight=norm_weight.double() if norm else None, activation=activation,
-                                  residual=residual.double() if with_residual else None)
-    low = reference.decode_gemv(x, weight, bias, residual=residual.clone() if with_residual else None, **kwargs)
+    before = residual.clone() if with_residual else None
     with poisoned_outputs():
-        out = ops.decode_gemv(x, weight, bias, residual=residual, **kwargs)
+        out = ops.decode_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, activation=activation,
+                              residual=residual)
     if with_residual:
         assert out is residual  # updated in place
+    verify_decode_gemv(out, x, weight, bias, norm_weight, eps, activation, before)
+
+
+def verify_decode_gemv(out, x, weight, bias, norm_weight, eps, activation, residual_before):
+    """out against float64 on the inputs it was given (``residual_before``: the residual before the call)."""
+    kwargs = {"eps": eps, "activation": activation}
+    args64 = [t.double() if t is not None else None for t in (x, weight, bias, norm_weight, residual_before)]
+    truth = reference.decode_gemv(*args64[:3], norm_weight=args64[3], residual=args64[4], **kwargs)
+    low = reference.decode_gemv(x, weight, bias, norm_weight=norm_weight, **kwargs,
+                                residual=residual_before.clone() if residual_before is not None else None)
     terms = normed_magnitude(x, weight, bias, norm_weight, eps)
     if activation == "swiglu":
         gate, up = terms.chunk(2, dim=-1)
         terms = gate * up
-    magnitude = (terms + (residual.double().abs() if with_residual else 0)).max().item()
+    magnitude = (terms + (residual_before.double().abs() if residual_before is not None else 0)).max().item()
     check_close("decode_gemv", out, truth, low, magnitude=magnitude)
 
 
@@ -88,16 +94,23 @@ def qkv_inputs(m, heads, kv_heads, head_dim, k, dtype, block_size=4, with_bias=T
 
 
 def check_qkv(inputs, heads, kv_heads, eps=1e-5, launch=ops.decode_qkv_rope_store_kv):
-    """q and the two caches' written rows against float64; every other slot still poisoned."""
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = inputs
+    with poisoned_outputs():
+        q = launch(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots, num_heads=heads,
+                   num_kv_heads=kv_heads, eps=eps)
+    verify_qkv(q, inputs, heads, kv_heads, eps)
+
+
+def verify_qkv(q, inputs, heads, kv_heads, eps):
+    """q and the two caches' rows at the slots against float64 (the caches were NaN before the call); every other
+    slot still NaN."""
     x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = inputs
     heads_kw = {"num_heads": heads, "num_kv_heads": kv_heads, "eps": eps}
     f64 = [t.double() if t is not None else None for t in (x, weight, bias, norm_weight, cos, sin)]
-    k64, v64 = k_cache.double(), v_cache.double()
+    k64, v64 = (torch.full_like(k_cache, float("nan"), dtype=torch.float64) for _ in range(2))
     q_truth = reference.decode_qkv_rope_store_kv(*f64, k64, v64, slots, **heads_kw)
-    k_low, v_low = k_cache.clone(), v_cache.clone()
+    k_low, v_low = (torch.full_like(k_cache, float("nan")) for _ in range(2))
     q_low = reference.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, cos, sin, k_low, v_low, slots, **heads_kw)
-    with poisoned_outputs():
-        q = launch(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots, **heads_kw)
     terms = normed_magnitude(x, weight, bias, norm_weight, eps)
     magnitude = 2 * terms.max().item()  # a rotated value mixes two columns, each times a cosine or a sine
     check_close("decode_qkv_rope_store_kv q", q, q_truth, q_low, magnitude=magnitude)
@@ -180,3 +193,44 @@ def test_decode_qkv_rope_store_kv_rejects_bad_input_before_writing(change, messa
     with pytest.raises((ValueError, TypeError), match=message):
         ops.decode_qkv_rope_store_kv(**args)
     assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
+def test_a_layer_of_kernels_in_a_cuda_graph():
+    """o (residual add into stream a), gate_up (reads a whole: norm prologue, SwiGLU), down (residual add into stream
+    b), the next qkv (reads b whole: norm, RoPE, K/V write), at Llama-3.2-1B's sizes, captured in one graph and
+    replayed on fresh inputs. With PDL (Hopper) each kernel starts before the previous one ends: one that read its
+    x or stream before its wait would read the previous replay's values, and fail its check against float64 on the
+    inputs as written."""
+    dtype = runtime.supported_dtypes()[-1]
+    h, inter, heads, kv_heads, d, eps = 2048, 8192, 32, 8, 64, 1e-5
+    attn, a, b = (randn(1, h, dtype=dtype) for _ in range(3))
+    wo, wd = randn(h, h, dtype=dtype, scale=h ** -0.5), randn(h, inter, dtype=dtype, scale=inter ** -0.5)
+    wgu, norm = randn(2 * inter, h, dtype=dtype, scale=h ** -0.5), (1 + 0.5 * randn(h)).to(dtype)
+    qkv = qkv_inputs(1, heads, kv_heads, d, h, dtype)
+    wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots = qkv[1:]
+
+    def layer():
+        ops.decode_gemv(attn, wo, residual=a)
+        act = ops.decode_gemv(a, wgu, norm_weight=norm, eps=eps, activation="swiglu")
+        ops.decode_gemv(act, wd, residual=b)
+        q = ops.decode_qkv_rope_store_kv(b, wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots, num_heads=heads,
+                                         num_kv_heads=kv_heads, eps=eps)
+        return act, q
+
+    layer()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act, q = layer()  # kept: the graph writes these tensors at every replay
+    for _ in range(3):
+        for t in (attn, a, b):
+            t.copy_(randn(1, h, dtype=dtype))
+        a0, b0 = a.clone(), b.clone()
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        verify_decode_gemv(a, attn, wo, None, None, eps, None, a0)
+        verify_decode_gemv(act, a, wgu, None, norm, eps, "swiglu", None)
+        verify_decode_gemv(b, act, wd, None, None, eps, None, b0)
+        verify_qkv(q, (b, wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots), heads, kv_heads, eps)
