@@ -12,8 +12,10 @@ sequence in a decode step. Per layer::
 GEMMs are cuBLAS (torch), except for a lone token (a decode step at batch 1): there each projection is one
 ``ops.gemv`` (gate_up's with SwiGLU in its epilogue, so no swiglu launch; see :func:`project`). Everything between
 them is one lessonlib kernel, or, with a :class:`Features` switch off, the plain-PyTorch way (lesson 07's tokens/s
-ladder). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one, :class:`EngineLayer`,
-serves both phases and many sequences of different lengths.
+ladder). With ``Features.fused_decode_layer`` a batch-1 decode step runs each layer in six kernels instead
+(:meth:`EngineLayer.fused_decode`: the norms, RoPE, the K/V write and the residual adds folded into the projections,
+``ops.decode_gemv``). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one,
+:class:`EngineLayer`, serves both phases and many sequences of different lengths.
 The three parts of a layer are separate methods (:meth:`EngineLayer.attention`, :meth:`EngineLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
 """

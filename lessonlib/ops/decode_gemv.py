@@ -108,7 +108,7 @@ def _rope_kv_epilogue(a, b, pairs, ok, row, half, q_cols, kv_cols, q_ptr, k_cach
 def _decode_gemv_kernel(
     x_ptr,  # (M, K), rows stride_xm apart: the input, or with NORM the residual stream before the norm
     norm_ptr,  # (K,) NORM: the RMSNorm weight; else unused
-    w_ptr,  # (N, K), rows stride_wn apart; paired epilogues: see _paired_rows
+    w_ptr,  # (N, K), rows stride_wn apart; SWIGLU: gate rows then up rows; ROPE_KV: q's, k's, v's heads' rows
     bias_ptr,  # (N,) or unused
     out_ptr,  # STORE, SWIGLU: y (M, N_OUT) contiguous; RESIDUAL: the stream (M, N_OUT), rows stride_om apart,
     #           updated in place; ROPE_KV: q (M, H, D) contiguous
@@ -124,12 +124,13 @@ def _decode_gemv_kernel(
     PDL: tl.constexpr = False,  # launched with programmatic dependent launch: load weights, then wait
 ):
     """Program (n, m): outputs [n * BLOCK_N, (n + 1) * BLOCK_N) of row m (pairs of columns when paired)."""
+    # EPILOGUE: 0 STORE, 1 SWIGLU, 2 RESIDUAL, 3 ROPE_KV (the module's constants; a kernel reads no Python global)
     PAIRED: tl.constexpr = EPILOGUE == 1 or EPILOGUE == 3
     pairs = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row = tl.program_id(1).to(tl.int64)
     ks = tl.arange(0, BLOCK_K)
     ok = pairs < N_OUT
-    if EPILOGUE == 3:  # pair p: column i = p mod D/2 of head p div D/2, and column i + D/2
+    if EPILOGUE == 3:  # ROPE_KV: pair p is column i = p mod D/2 of head p div D/2, and column i + D/2
         col_a = (pairs // half) * 2 * half + pairs % half
         col_b = col_a + half
     else:  # SWIGLU: gate column p and up column p + N_OUT
@@ -138,7 +139,7 @@ def _decode_gemv_kernel(
     w_a = w_ptr + col_a[:, None].to(tl.int64) * stride_wn + ks[None, :]
     w_b = w_ptr + col_b[:, None].to(tl.int64) * stride_wn + ks[None, :]
     w_mask = ok[:, None] if EVEN_K else ok[:, None] & (ks[None, :] < K)
-    # Weights depend on nothing a decode step writes: the first tiles (and the bias) load before the wait.
+    # Weights depend on nothing a decode step writes: their first tiles load before the wait.
     wa = tl.load(w_a, mask=w_mask, other=0.0)
     if PAIRED:
         wb = tl.load(w_b, mask=w_mask, other=0.0)
@@ -168,15 +169,15 @@ def _decode_gemv_kernel(
         acc_a += tl.load(bias_ptr + col_a, mask=ok, other=0.0).to(tl.float32)
         if PAIRED:
             acc_b += tl.load(bias_ptr + col_b, mask=ok, other=0.0).to(tl.float32)
-    if EPILOGUE == 3:
+    if EPILOGUE == 3:  # ROPE_KV
         _rope_kv_epilogue(acc_a.to(dtype).to(tl.float32), acc_b.to(dtype).to(tl.float32), pairs, ok, row, half,
                           q_cols, kv_cols, out_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, slots_ptr,
                           stride_cos_m, stride_sin_m)
-    elif EPILOGUE == 2:  # stream += y: y rounded first (the product's output), then the sum rounded once
+    elif EPILOGUE == 2:  # RESIDUAL: stream += y: y rounded first (the product's output), then the sum rounded once
         at = out_ptr + row * stride_om + pairs
         stream = tl.load(at, mask=ok, other=0.0).to(tl.float32)
         tl.store(at, (acc_a.to(dtype).to(tl.float32) + stream).to(dtype), mask=ok)
-    elif EPILOGUE == 1:
+    elif EPILOGUE == 1:  # SWIGLU, from the float32 sums as ops.gemv
         tl.store(out_ptr + row * N_OUT + pairs, (acc_a * tl.sigmoid(acc_a) * acc_b).to(dtype), mask=ok)
     else:
         tl.store(out_ptr + row * N_OUT + pairs, acc_a.to(dtype), mask=ok)
