@@ -330,7 +330,7 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                      ("down N=2048 K=8192 residual", 2048, 8192, dg.RESIDUAL, False))
     for i, (label, n_out, k, epilogue, norm) in enumerate(decode_shapes):
         dtype = half[i % len(half)]
-        config = dg.config(n_out, k, epilogue in (dg.SWIGLU, dg.ROPE_KV))
+        config = dg.config(n_out, k, epilogue)
         out.append(Case("decode_gemv", dg._decode_gemv_kernel, label, dtype,
                         (*(dtype,) * 9, torch.int64, n_out, k, k, k, 2048, 64, 64, 1e-5, 32, 2048, 512),
                         dict(NORM=norm, HAS_BIAS=epilogue == dg.ROPE_KV, EPILOGUE=epilogue, EVEN_K=True, **pdl,

@@ -10,10 +10,11 @@ Qwen2.5-0.5B shapes:
   gemv (down): 7 kernels per layer;
 - the fused chain (Features.fused_decode_layer): decode_qkv_rope_store_kv, decode_gemv (o + residual), decode_gemv
   (norm + gate_up + SwiGLU), decode_gemv (down + residual): 4 kernels per layer, at each tile candidate below
-  (``decode_gemv.config`` replaced for the run: BLOCK_N, BLOCK_K, num_warps for the plain and the paired kernels);
+  (``decode_gemv.config`` replaced for the run: BLOCK_N, BLOCK_K, num_warps of one epilogue's kernels at a time,
+  the others at ``decode_gemv.GPU_TILES``);
 
-beside the weights' read time at the copy bandwidth measured in the same run. The winner goes into
-``decode_gemv.config``. Correctness is the op tests' job (tests/ops/test_decode_gemv.py, every tile shape in the
+beside the weights' read time at the copy bandwidth measured in the same run. The winners go into
+``decode_gemv.GPU_TILES``. Correctness is the op tests' job (tests/ops/test_decode_gemv.py, every tile shape in the
 interpreter; on the GPU at the engine's tiles). ``--smoke`` runs each chain once at tiny sizes, in any mode.
 """
 
@@ -39,8 +40,11 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head_dim
     "Qwen2.5-0.5B": (896, 4864, 24, 14, 2, 64),
     "smoke": (64, 96, 2, 4, 2, 16),
 }
-PLAIN = [(4, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8)]  # (BLOCK_N, BLOCK_K, num_warps): o, down
-PAIRED = [(8, 1024, 4), (4, 2048, 4), (2, 2048, 4), (4, 1024, 4), (8, 1024, 8)]  # qkv (RoPE), gate_up (SwiGLU)
+CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps) per epilogue, tried one epilogue at a time, the others at GPU_TILES
+    decode_gemv.RESIDUAL: [(4, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8), (8, 2048, 8)],  # o, down
+    decode_gemv.SWIGLU: [(8, 1024, 4), (4, 2048, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 8)],  # gate_up
+    decode_gemv.ROPE_KV: [(2, 2048, 4), (4, 2048, 4), (8, 1024, 4), (2, 1024, 4), (4, 1024, 8)],  # qkv
+}
 
 
 def layers_for(shape, dtype):
@@ -93,9 +97,12 @@ def chains(shape, dtype):
     return today, fused, weight_bytes
 
 
-def with_tiles(plain, paired):
-    def config(n_out, k, is_paired):
-        block_n, block_k, warps = paired if is_paired else plain
+def with_tiles(epilogue, tiles):
+    """decode_gemv.config with ``tiles`` for one epilogue, GPU_TILES for the others."""
+    table = {**decode_gemv.GPU_TILES, epilogue: tiles}
+
+    def config(n_out, k, which):
+        block_n, block_k, warps = table[which]
         return {"BLOCK_N": block_n, "BLOCK_K": min(block_k, next_power_of_2(k)), "num_warps": warps}
     return config
 
@@ -119,10 +126,12 @@ def main():
         limit_us = weight_bytes / bandwidth * 1e6
         with torch.inference_mode():
             rows = [("today (7 kernels per layer)", None, time_graph(today).median_us)]
-            for plain in PLAIN:
-                for paired in PAIRED:
-                    decode_gemv.config = with_tiles(plain, paired)
-                    rows.append(("fused (4 kernels per layer)", (plain, paired), time_graph(fused).median_us))
+            for epilogue, candidates in CANDIDATES.items():
+                for tiles in candidates:
+                    decode_gemv.config = with_tiles(epilogue, tiles)
+                    label = {decode_gemv.RESIDUAL: "o/down", decode_gemv.SWIGLU: "gate_up", decode_gemv.ROPE_KV: "qkv"}
+                    rows.append(("fused (4 kernels per layer)", f"{label[epilogue]} {tiles}",
+                                 time_graph(fused).median_us))
             decode_gemv.config = default
         for label, tiles, us in rows:
             print(f"{name:14s} {label:30s} tiles {tiles}: {us:8.1f} us, weight-read limit {limit_us:6.1f} us "

@@ -183,12 +183,19 @@ def _decode_gemv_kernel(
         tl.store(out_ptr + row * N_OUT + pairs, acc_a.to(dtype), mask=ok)
 
 
-def config(n_out: int, k: int, paired: bool) -> dict:
-    """Tiles: ops.gemv's (its H200 sweep: 4 columns and K tiles of 2048, or 8 pairs and 1024 when paired) on a GPU,
-    not yet swept with the prologue; in the interpreter as few programs as the arrays allow."""
+# GPU tiles (BLOCK_N outputs, BLOCK_K, warps) per epilogue: each reads the bytes per program ops.gemv's H200 sweep
+# chose for the same matrix (benchmarks/experiments/decode_layer_pdl.py): qkv 4 rows x 2048 (here 2 pairs), gate_up
+# 16 rows x 1024 (8 pairs), o and down 4 rows x 2048. Not yet swept with the prologue and epilogues:
+# benchmarks/experiments/decode_gemv_tiles.py times the candidates.
+GPU_TILES = {STORE: (4, 2048, 4), RESIDUAL: (4, 2048, 4), SWIGLU: (8, 1024, 4), ROPE_KV: (2, 2048, 4)}
+
+
+def config(n_out: int, k: int, epilogue: int) -> dict:
+    """Tiles: :data:`GPU_TILES` on a GPU (BLOCK_K no wider than K); in the interpreter, where each program instance
+    costs milliseconds of Python whatever its size, as few programs as the arrays allow."""
     if runtime.gpu_profile() is not None:
-        block_n, block_k = (8, 1024) if paired else (4, 2048)
-        return {"BLOCK_N": block_n, "BLOCK_K": min(block_k, next_power_of_2(k)), "num_warps": 4}
+        block_n, block_k, warps = GPU_TILES[epilogue]
+        return {"BLOCK_N": block_n, "BLOCK_K": min(block_k, next_power_of_2(k)), "num_warps": warps}
     return {"BLOCK_N": min(next_power_of_2(n_out), 256), "BLOCK_K": min(next_power_of_2(k), 256), "num_warps": 4}
 
 
@@ -250,7 +257,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 def _launch(x, weight, bias, norm_weight, eps, out, stride_om, epilogue, n_out, rope_args, rope_ints):
-    meta = config(n_out, x.shape[1], epilogue in (SWIGLU, ROPE_KV))
+    meta = config(n_out, x.shape[1], epilogue)
     launch(_decode_gemv_kernel, (triton.cdiv(n_out, meta["BLOCK_N"]), x.shape[0]),
            x, norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
            *rope_args, n_out, x.shape[1], x.stride(0), weight.stride(0), stride_om, *rope_ints[:2], float(eps),

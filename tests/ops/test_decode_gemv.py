@@ -18,7 +18,7 @@ module = importlib.import_module("lessonlib.ops.decode_gemv")
 def small_tiles(monkeypatch):
     """The GPU's shape of configuration at interpreter sizes: a few outputs per program and K in tiles, so that
     several programs, a last one partly past N and a ragged last K tile all run."""
-    monkeypatch.setattr(module, "config", lambda n_out, k, paired: {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4})
+    monkeypatch.setattr(module, "config", lambda n_out, k, epilogue: {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4})
 
 
 def normed_magnitude(x, weight, bias, norm_weight, eps):
