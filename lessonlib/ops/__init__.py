@@ -31,5 +31,6 @@ from lessonlib.ops.rope_store_kv import rope_store_kv  # noqa: E402
 from lessonlib.ops.store_kv import store_kv  # noqa: E402
 from lessonlib.ops.swiglu import swiglu  # noqa: E402
 
-__all__ = ["absmax_normalize", "add_rms_norm", "apply_rope", "argmax", "bias_swiglu", "decode_gemv", "decode_qkv_rope_store_kv", "dequant_matmul", "flash_attention",
-           "gemv", "paged_attention", "paged_prefill_attention", "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]
+__all__ = ["absmax_normalize", "add_rms_norm", "apply_rope", "argmax", "bias_swiglu", "decode_gemv",
+           "decode_qkv_rope_store_kv", "dequant_matmul", "flash_attention", "gemv", "paged_attention",
+           "paged_prefill_attention", "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]
