@@ -45,6 +45,7 @@ from lessonlib import runtime
 from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wait, launch, next_power_of_2,
                                    pdl_options, refuse_gradient)
 from lessonlib.ops.gemv import MAX_ROWS
+from lessonlib.ops.rope_store_kv import check_heads_and_caches
 from lessonlib.ops.store_kv import check_slots
 
 STORE, SWIGLU, RESIDUAL, ROPE_KV = 0, 1, 2, 3  # the epilogues: plain store, silu(gate) * up, stream += y, q/k/v
@@ -280,19 +281,11 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     """
     op = "decode_qkv_rope_store_kv"
     _check(op, x, weight, bias, norm_weight, eps, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
-    for name, count in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-            raise ValueError(f"{op}: {name} must be a positive int, got {count!r}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads:
-        raise ValueError(f"{op}: caches must be (num_blocks, block_size, {num_kv_heads}, head_dim) and alike, got "
-                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
-    m, head_dim = x.shape[0], k_cache.shape[3]
+    m, head_dim = x.shape[0], check_heads_and_caches(op, k_cache, v_cache, num_heads, num_kv_heads)
     width = (num_heads + 2 * num_kv_heads) * head_dim
-    if head_dim % 2 or weight.shape[0] != width:
-        raise ValueError(f"{op}: weight must have (num_heads + 2 num_kv_heads) head_dim = {width} rows and head_dim "
-                         f"must be even (rotate-half), got {weight.shape[0]} rows, head_dim {head_dim}")
+    if weight.shape[0] != width:
+        raise ValueError(f"{op}: weight must have (num_heads + 2 num_kv_heads) head_dim = ({num_heads} + 2 * "
+                         f"{num_kv_heads}) * {head_dim} = {width} rows, got {weight.shape[0]}")
     for name, table in (("cos", cos), ("sin", sin)):
         if tuple(table.shape) != (m, head_dim):
             raise ValueError(f"{op}: {name} must be (M, head_dim) = ({m}, {head_dim}), got {tuple(table.shape)}")
