@@ -133,6 +133,17 @@ def test_decode_qkv_rope_store_kv_with_the_gpus_small_tiles(monkeypatch, dtype):
     check_qkv(qkv_inputs(1, 3, 1, 16, 50, dtype, with_bias=False), 3, 1)
 
 
+def test_the_gpus_own_tiles(monkeypatch):
+    """decode_gemv.GPU_TILES as the launchers pick them on the H200 (the profile asked for, the kernels still run in
+    the interpreter or on this GPU): K=2048 in one tile, a few outputs per program, every epilogue."""
+    monkeypatch.setattr(runtime, "gpu_profile", lambda: runtime.PROFILES["h200"])
+    assert module.config(16, 2048, module.ROPE_KV) == {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4}
+    dtype = torch.float32
+    check_qkv(qkv_inputs(1, 2, 1, 8, 2048, dtype), 2, 1)
+    check_decode_gemv(1, 2 * 9, 2048, dtype, norm=True, activation="swiglu", with_residual=False, with_bias=False)
+    check_decode_gemv(1, 9, 2100, dtype, norm=False, activation=None, with_residual=True, with_bias=False)
+
+
 def swapped_cos_sin(x, weight, bias, norm_weight, cos, sin, *args, **kwargs):
     return ops.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, sin, cos, *args, **kwargs)
 
