@@ -21,6 +21,8 @@ timings, no ladder (lesson 07's ladder is the Llama's):
 
     python benchmarks/bench_engine.py --qwen-shape --out lessonlib/results/engine-qwen-h200.json
 
+``--no-ladder`` leaves the ladder out of a Llama run (the rest takes minutes, not the ladder's five more).
+
 Checks first: the engine's logits at the prefill and the first decode steps against transformers in float64 (the
 truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (lessonlib.testing's rule), and greedy
 tokens against transformers bf16 up to the first near-tie. Then tokens/s, and one decode step's time split into
@@ -286,7 +288,8 @@ def batch_1_decode_step(run, engines, config, weight_bytes, bandwidth, context):
 def main():
     args = bench.parse_args(__doc__, "bench_engine.py", flags={
         "--ladder-only": "only the tokens/s ladder, its records put into the --out file in place of its ladder",
-        "--qwen-shape": "a Qwen2.5-0.5B-shaped model instead of Llama-3.2-1B's (no ladder)"})
+        "--qwen-shape": "a Qwen2.5-0.5B-shaped model instead of Llama-3.2-1B's (no ladder)",
+        "--no-ladder": "everything but the tokens/s ladder (write it apart from the committed file)"})
     dtype = runtime.dtype(cpu=torch.float32)
     run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
@@ -296,12 +299,12 @@ def main():
         if args.ladder_only:
             ladder_only(run, args.out, folder, started)
         else:
-            benchmark(run, args.out, folder, started, qwen=args.qwen_shape)
+            benchmark(run, args.out, folder, started, qwen=args.qwen_shape, ladder=not args.no_ladder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the 1B checkpoint is 2.5 GB
 
 
-def benchmark(run, out, folder, started, qwen=False):
+def benchmark(run, out, folder, started, qwen=False, ladder=True):
     prompt_len, new_tokens = (8, 3) if run.smoke else (128, 128)
     batches = (2,) if run.smoke else (1, 8, 32)
     run.notes.update({"prompt_tokens": prompt_len, "new_tokens": new_tokens})
@@ -347,7 +350,7 @@ def benchmark(run, out, folder, started, qwen=False):
     del engines, low_model  # the ladder builds its own engines, one at a time
     if runtime.on_gpu():
         torch.cuda.empty_cache()
-    if not qwen:
+    if ladder and not qwen:
         tokens_per_s_ladder(run, path, config, prompt_len, torch.Generator().manual_seed(1))  # a workload of its own
     run.notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
     run.notes["seconds"] = round(time.perf_counter() - started, 1)
