@@ -10,7 +10,18 @@ Peers in the same run: transformers ``generate`` with its default dynamic cache 
 engine with and without CUDA graphs (``enforce_eager=True``, which keeps asynchronous scheduling), the engine with
 CUDA graphs but the host waiting for each step's tokens before scheduling the next
 (``Features(async_scheduling=False)``), and at batch 1 the engine with CUDA graphs but cuBLAS for its projections
-(``Features(gemv=False)``: what ``ops.gemv`` and its programmatic dependent launch give).
+(``Features(gemv=False)``: what ``ops.gemv`` and its programmatic dependent launch give) and with its batch-1 decode
+layer in six kernels (``Features(fused_decode_layer=True)``: ops.decode_gemv). For that switch, the batch-1 decode
+step off and on: kernels per layer (counted with torch.profiler on one layer's call) and the step's GPU time (its
+CUDA graph replayed) beside the bytes-read limit at the same run's copy bandwidth.
+
+``--qwen-shape``: a Qwen2.5-0.5B-shaped model instead (hidden 896, 24 layers, 14 query / 2 KV heads, head_dim 64,
+MLP 4864, vocabulary 151936, tied embeddings, biases on q, k, v; transformers' Qwen2Config), the same checks and
+timings, no ladder (lesson 07's ladder is the Llama's):
+
+    python benchmarks/bench_engine.py --qwen-shape --out lessonlib/results/engine-qwen-h200.json
+
+``--no-ladder`` leaves the ladder out of a Llama run (the rest takes minutes, not the ladder's five more).
 
 Checks first: the engine's logits at the prefill and the first decode steps against transformers in float64 (the
 truth), allowed 2x the error of transformers in bf16 plus two bf16 roundings (lessonlib.testing's rule), and greedy
@@ -40,6 +51,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -59,21 +71,24 @@ from lessonlib.testing import tolerance  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
+QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                num_key_value_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, vocab_size=256, tie_word_embeddings=True)
 CHECK_STEPS = 4  # logits compared at the prefill and the next CHECK_STEPS - 1 decode steps
 LADDER_REPEATS = 3  # timed runs per rung: a median and its spread, no verdict on one run
 
 
-def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype) -> Path:
-    """A random-weight Llama written as a Hugging Face checkpoint (config.json + safetensors; no tokenizer)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, family: str = "Llama") -> Path:
+    """A random-weight Llama (or ``family="Qwen2"``) written as a Hugging Face checkpoint (config.json +
+    safetensors; no tokenizer)."""
+    import transformers
 
-    config = LlamaConfig(**{"max_position_embeddings": 2048, **shape}, bos_token_id=None, eos_token_id=None,
-                         pad_token_id=None)
+    config = getattr(transformers, f"{family}Config")(**{"max_position_embeddings": 2048, **shape}, bos_token_id=None,
+                                                      eos_token_id=None, pad_token_id=None)
     torch.manual_seed(0)
     with torch.device(runtime.device()):  # random init on the GPU: seconds instead of a minute on the CPU
-        model = LlamaForCausalLM(config)
+        model = getattr(transformers, f"{family}ForCausalLM")(config)
     model.to(dtype).save_pretrained(folder, safe_serialization=True)
     del model
     return folder
@@ -171,27 +186,38 @@ def first_divergence(ours, theirs, prompts, truth_model, low_model, dtype) -> di
     return report
 
 
-def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
-    """GPU time (us) of each part of one decode step at this batch and context, each part over every layer
-    replayed from its own CUDA graph, and of the whole step. K/V content does not matter for time: the blocks are
-    allocated, not filled."""
+@contextmanager
+def decode_inputs(llm: LLM, batch: int, context: int):
+    """(ctx, ids, positions) of a decode step at this batch and context: sequences of random tokens allocated in
+    the engine's block manager (freed after). K/V content does not matter for time: the blocks are allocated, not
+    filled. Random tokens: sequences must not share prefix blocks (a shared block would be read from L2, not HBM)."""
     model, runner = llm.model, llm.runner
-    # Random tokens: sequences must not share prefix blocks (a shared block would be read from L2, not HBM).
     seqs = [Sequence(torch.randint(0, model.config.vocab_size, (context,)).tolist(), SamplingParams())
             for _ in range(batch)]
     for seq in seqs:
         llm.block_manager.allocate(seq)
     try:
-        bs = llm.block_size
-        device = runner.device
-        slots = torch.tensor([seq.block_table[(context - 1) // bs] * bs + (context - 1) % bs for seq in seqs], device=device)
+        bs, device = llm.block_size, runner.device
+        slots = torch.tensor([seq.block_table[(context - 1) // bs] * bs + (context - 1) % bs for seq in seqs],
+                             device=device)
         table = runner._table(seqs, width=runner.max_blocks)
-        ctx = StepContext(False, slots, table, torch.full((batch,), context, dtype=torch.int32, device=device))
-        h = model.config.hidden_size
-        x = torch.randn(batch, h, device=device, dtype=llm.dtype)
+        ctx = StepContext(False, slots, table, torch.full((batch,), context, dtype=torch.int32, device=device),
+                          decode_splits=None if runtime.on_gpu() else 1)
         positions = torch.full((batch,), context - 1, device=device)
+        yield ctx, torch.randint(0, model.config.vocab_size, (batch,), device=device), positions
+    finally:
+        for seq in seqs:
+            llm.block_manager.free(seq)
+        llm.block_manager.forget_prefix_cache()  # those blocks were registered but never filled
+
+
+def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
+    """GPU time (us) of each part of one decode step at this batch and context, each part over every layer
+    replayed from its own CUDA graph, and of the whole step."""
+    model, runner = llm.model, llm.runner
+    with decode_inputs(llm, batch, context) as (ctx, ids, positions):
+        x = torch.randn(batch, model.config.hidden_size, device=runner.device, dtype=llm.dtype)
         cos, sin = model.cos[positions], model.sin[positions]
-        ids = torch.randint(0, model.config.vocab_size, (batch,), device=device)
         layers = list(enumerate(model.layers))
         k, v = runner.k_caches, runner.v_caches
         with torch.inference_mode():  # the engine's weights are parameters: its ops refuse autograd (no backward)
@@ -208,15 +234,62 @@ def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:
         }
         with torch.inference_mode():
             return {name: time_graph(fn).median_us for name, fn in parts.items()}
-    finally:
-        for seq in seqs:
-            llm.block_manager.free(seq)
-        llm.block_manager.forget_prefix_cache()  # those blocks were registered but never filled
+
+
+def layer_kernels(llm: LLM, context: int) -> list[str]:
+    """The kernels one layer of a batch-1 decode step launches, in order: the GPU's kernels under torch.profiler
+    (the call run once before, untimed, so Triton has compiled), or in the interpreter the launches
+    ops._common.launch names ``triton::<kernel>``."""
+    model, runner = llm.model, llm.runner
+    layer, k, v = model.layers[0], runner.k_caches[0], runner.v_caches[0]
+    with decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
+        x = model.embed_tokens(ids)
+        cos, sin = model.cos[positions], model.sin[positions]
+        if model.features.fused_decode_layer:
+            call = lambda: layer.fused_decode(x, cos, sin, ctx, k, v)  # noqa: E731 (x: the stream, in place)
+        else:
+            residual = torch.zeros_like(x)
+            call = lambda: layer(x, residual, cos, sin, ctx, k, v)  # noqa: E731
+        call()
+        sync()
+        activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA]
+                                                               if runtime.on_gpu() else [])
+        with torch.profiler.profile(activities=activities) as prof:
+            call()
+            sync()
+    if runtime.on_gpu():
+        return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return [e.name for e in prof.events() if e.name.startswith("triton::")]
+
+
+def batch_1_decode_step(run, engines, config, weight_bytes, bandwidth, context):
+    """The batch-1 decode step with Features.fused_decode_layer off (the engine's default) and on: kernels per
+    layer, and on a GPU the whole step's time (its CUDA graph replayed: GPU time, the host left out) beside the
+    step's bytes-read limit at this run's copy bandwidth (``bandwidth`` None: no timing, the interpreter)."""
+    element = torch.empty((), dtype=run.dtype).element_size()
+    step_bytes = weight_bytes + 2 * context * config.num_layers * config.num_kv_heads * config.head_dim * element
+    limit_us = step_bytes / bandwidth * 1e6 if bandwidth else None
+    off = engines.get(Impl.ENGINE_GRAPHS) or engines[Impl.ENGINE_EAGER]
+    for impl, llm in ((Impl.ENGINE_GRAPHS if runtime.on_gpu() else Impl.ENGINE_EAGER, off),
+                      (Impl.ENGINE_FUSED_DECODE, engines[Impl.ENGINE_FUSED_DECODE])):
+        kernels = layer_kernels(llm, context)
+        gpu_us = None
+        if bandwidth:
+            with decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
+                model, k, v = llm.model, llm.runner.k_caches, llm.runner.v_caches
+                gpu_us = time_graph(lambda: model.logits(model(ids, positions, ctx, k, v))).median_us
+        run.add(Op.BATCH_1_DECODE_STEP, impl, {"batch": 1, "context": context}, kernels_per_layer=len(kernels),
+                kernels=kernels, gpu_us=None if gpu_us is None else round(gpu_us, 2),
+                limit_us=None if limit_us is None else round(limit_us, 2), bytes=step_bytes,
+                fraction_of_limit=None if gpu_us is None else round(limit_us / gpu_us, 3),
+                fused_decode_layer=llm.model.features.fused_decode_layer)
 
 
 def main():
     args = bench.parse_args(__doc__, "bench_engine.py", flags={
-        "--ladder-only": "only the tokens/s ladder, its records put into the --out file in place of its ladder"})
+        "--ladder-only": "only the tokens/s ladder, its records put into the --out file in place of its ladder",
+        "--qwen-shape": "a Qwen2.5-0.5B-shaped model instead of Llama-3.2-1B's (no ladder)",
+        "--no-ladder": "everything but the tokens/s ladder (write it apart from the committed file)"})
     dtype = runtime.dtype(cpu=torch.float32)
     run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
@@ -226,21 +299,22 @@ def main():
         if args.ladder_only:
             ladder_only(run, args.out, folder, started)
         else:
-            benchmark(run, args.out, folder, started)
+            benchmark(run, args.out, folder, started, qwen=args.qwen_shape, ladder=not args.no_ladder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the 1B checkpoint is 2.5 GB
 
 
-def benchmark(run, out, folder, started):
+def benchmark(run, out, folder, started, qwen=False, ladder=True):
     prompt_len, new_tokens = (8, 3) if run.smoke else (128, 128)
     batches = (2,) if run.smoke else (1, 8, 32)
     run.notes.update({"prompt_tokens": prompt_len, "new_tokens": new_tokens})
     generator = torch.Generator().manual_seed(0)
-    path = build_checkpoint(folder, TINY if run.smoke else LLAMA_1B, run.dtype)
+    shape, family = (TINY if run.smoke else QWEN_05B if qwen else LLAMA_1B), ("Qwen2" if qwen else "Llama")
+    path = build_checkpoint(folder, shape, run.dtype, family)
     config = ModelConfig.from_folder(path)
     weight_bytes = config.weight_bytes(torch.empty((), dtype=run.dtype).element_size())
-    run.notes["model"] = {"shape": TINY if run.smoke else LLAMA_1B, "weight_bytes": weight_bytes,
-                          "weights": "random (torch.manual_seed(0)), transformers' LlamaConfig defaults otherwise"}
+    run.notes["model"] = {"shape": shape, "family": family, "weight_bytes": weight_bytes,
+                          "weights": f"random (torch.manual_seed(0)), transformers' {family}Config defaults otherwise"}
     max_len = prompt_len + new_tokens + 16
     engines = {Impl.ENGINE_GRAPHS: LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len)}
     engines[Impl.ENGINE_EAGER] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
@@ -253,6 +327,8 @@ def benchmark(run, out, folder, started):
                                                      features=Features(gemv=False))
     else:
         del engines[Impl.ENGINE_GRAPHS]  # on CPU: no graphs, the two engines would be one
+    engines[Impl.ENGINE_FUSED_DECODE] = LLM(path, dtype=run.dtype, max_num_seqs=1, max_model_len=max_len,
+                                            features=Features(fused_decode_layer=True))
     run.notes["programmatic_dependent_launch"] = pdl()
     print(f"built and loaded in {time.perf_counter() - started:.0f} s", flush=True)
     low_model = hf_model(path, run.dtype)
@@ -269,10 +345,13 @@ def benchmark(run, out, folder, started):
         ceilings = measure_ceilings()
         middle = prompt_len + new_tokens // 2  # the context in the middle of a run
         step_parts(run, engines, config, weight_bytes, ceilings.bandwidth_gbs * 1e9, batches, middle)
+    batch_1_decode_step(run, engines, config, weight_bytes, ceilings.bandwidth_gbs * 1e9 if ceilings else None,
+                        prompt_len + new_tokens // 2)
     del engines, low_model  # the ladder builds its own engines, one at a time
     if runtime.on_gpu():
         torch.cuda.empty_cache()
-    tokens_per_s_ladder(run, path, config, prompt_len, torch.Generator().manual_seed(1))  # a workload of its own
+    if ladder and not qwen:
+        tokens_per_s_ladder(run, path, config, prompt_len, torch.Generator().manual_seed(1))  # a workload of its own
     run.notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
     run.notes["seconds"] = round(time.perf_counter() - started, 1)
     run.save(out, ceilings)
@@ -283,9 +362,10 @@ def check_engines(engines, path, low_model, check_prompts, new_tokens) -> dict:
     batched, and for the engine with CUDA graphs also one prompt alone (batch 1: its projections by ops.gemv)."""
     truth_model = hf_model(path, torch.float64)
     checks = {}
-    runs = [(name, llm, check_prompts) for name, llm in engines.items() if name != Impl.ENGINE_GRAPHS_CUBLAS]
+    batch_1_only = (Impl.ENGINE_GRAPHS_CUBLAS, Impl.ENGINE_FUSED_DECODE)
+    runs = [(name, llm, check_prompts) for name, llm in engines.items() if name not in batch_1_only]
     runs += [(f"{name}, batch 1", llm, check_prompts[:1]) for name, llm in engines.items()
-             if name in (Impl.ENGINE_GRAPHS, Impl.ENGINE_GRAPHS_CUBLAS)]
+             if name in (Impl.ENGINE_GRAPHS, *batch_1_only)]
     for name, llm, chosen in runs:
         report = check_logits(llm, truth_model, low_model, chosen, min(CHECK_STEPS, new_tokens))
         ours, _ = engine_generate(llm, chosen, new_tokens)
@@ -303,9 +383,9 @@ def check_engines(engines, path, low_model, check_prompts, new_tokens) -> dict:
 
 
 def timed_at(name: str, batch: int) -> bool:
-    """Whether a peer runs at this batch: the cuBLAS-projections engine is ENGINE_GRAPHS itself past batch 1 (gemv
-    serves a lone token only)."""
-    return name != Impl.ENGINE_GRAPHS_CUBLAS or batch == 1
+    """Whether a peer runs at this batch: the cuBLAS-projections and fused-decode-layer engines are ENGINE_GRAPHS
+    itself past batch 1 (gemv and the fused layer serve a lone token only)."""
+    return name not in (Impl.ENGINE_GRAPHS_CUBLAS, Impl.ENGINE_FUSED_DECODE) or batch == 1
 
 
 def time_generate(run, engines, low_model, prompts, batches, prompt_len, new_tokens, started):

@@ -123,6 +123,30 @@ def rope_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
+def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+                norm_weight: torch.Tensor | None = None, eps: float = 1e-6, activation: str | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+    """A batch-1 decode projection with its neighbours: ``add_rms_norm``'s normed x (``norm_weight``: RMSNorm of x
+    first; the residual stream is x itself), :func:`gemv`, then ``residual += y`` in place (returned) when a
+    residual is given. The engine's unfused path: three launches."""
+    if norm_weight is not None:
+        x = add_rms_norm(x, torch.zeros_like(x), norm_weight, eps)[0]  # x + 0 is x exactly
+    y = gemv(x, weight, bias, activation)
+    if residual is None:
+        return y
+    residual.copy_(residual + y)
+    return residual
+
+
+def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                             norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                             k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *, num_heads: int,
+                             num_kv_heads: int, eps: float = 1e-6) -> torch.Tensor:
+    """The qkv projection of a decode step with its neighbours: :func:`decode_gemv` (RMSNorm, then the product),
+    then :func:`rope_store_kv` (q rotated, returned; k rotated and v written into the caches at ``slots``)."""
+    qkv = decode_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps)
+    return rope_store_kv(qkv, cos, sin, k_cache, v_cache, slots, num_heads=num_heads, num_kv_heads=num_kv_heads)
+
 class GatedMLP(nn.Module):
     """The feed-forward block of Llama-style models: down(silu(gate(x)) * up(x)).
 

@@ -94,6 +94,7 @@ class Op:
     LADDER = "tokens_per_s_ladder"  # lesson 07: the engine with each course step switched on in turn
     DECODE_STEP_PART = "decode_step_part"
     DECODE_STEP_LIMIT = "decode_step_limit"
+    BATCH_1_DECODE_STEP = "batch-1 decode step"  # kernels per layer and GPU time, Features.fused_decode_layer off/on
     READ = "read"  # headline: the bandwidth a plain read reaches
     LAUNCH_BOUND_ATTENTION = "attention at launch-bound sizes"  # tiny T: launches, not bytes, are the time
     LARGEST_BATCH = "largest batch that fits"  # the same KV memory, reserved as slabs or as blocks
@@ -170,6 +171,7 @@ class Impl:
     ENGINE_EAGER = "lessonlib engine, eager"
     ENGINE_GRAPHS_CUBLAS = "lessonlib engine, CUDA graphs, cuBLAS projections"  # Features(gemv=False), batch 1
     ENGINE_GRAPHS_SYNC = "lessonlib engine, CUDA graphs, synchronous scheduling"  # Features(async_scheduling=False)
+    ENGINE_FUSED_DECODE = "lessonlib engine, fused decode layer"  # Features(fused_decode_layer=True), batch 1
     WEIGHT_READ_LIMIT = "bytes read at copy bandwidth"
     # the tokens/s ladder's rungs (lessonlib.cases.serving_engine.ladder), cumulative
     RUNG_PLAIN = "plain PyTorch"

@@ -372,6 +372,11 @@ def test_bench_engine_smoke_writes_a_results_file(tmp_path):
     from lessonlib.plots.serving_engine import plot_ladder
 
     assert len(plot_ladder(recorded).patches) == len(ladder)
+    steps = {r["fused_decode_layer"]: r for r in recorded.select(op="batch-1 decode step")}  # Features' switch
+    assert steps[True]["kernels_per_layer"] == 6 and steps[False]["kernels_per_layer"] == 9
+    from lessonlib.plots.serving_engine import fused_decode_summary
+
+    assert "off / on: 9 / 6 kernels per layer" in fused_decode_summary(recorded)
 
 
 def test_the_batch_1_summary_reads_the_recorded_run():

@@ -1,7 +1,9 @@
 """The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
 :func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default (but chunked_prefill, a
-scheduling choice lesson 07 compares, not a rung); a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32
-(in 16 bits each sums in its own order, so they agree up to near-ties).
+scheduling choice lesson 07 compares, not a rung, and fused_decode_layer, off until measured on the H200: it acts at
+batch 1 only, which the ladder's 32-seat workload hardly reaches; bench_engine.py measures it); a switch turned off
+runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32 (in 16 bits each
+sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
                          in lessonlib.reference (RoPE and the K/V write by tensor indexing, silu(gate) * up)
@@ -14,6 +16,11 @@ scheduling choice lesson 07 compares, not a rung); a switch turned off runs that
     gemv                 a lone token's projections (batch-1 decode, the logits of a lone prompt's last token) by
                          lessonlib's gemv: SwiGLU in gate_up's epilogue, each product's weights read while the kernel
                          before it ends (PDL, Hopper); off: cuBLAS (then swiglu). The ladder turns it on with fused_ops
+    fused_decode_layer   a batch-1 decode step in six kernels per layer (ops.decode_gemv): qkv with the RMSNorm in its
+                         prologue and RoPE + the K/V write in its epilogue, paged attention (split + reduce), o and
+                         down adding into the residual stream in place, gate_up with the RMSNorm prologue and SwiGLU;
+                         off: nine (add_rms_norm, rope_store_kv and the norm before gate_up on their own). Not for
+                         Qwen3 (q/k norm between the product and RoPE): it keeps the unfused path
     cuda_graphs          decode steps, and the prefill of a lone prompt, replayed from CUDA graphs (a GPU only); off:
                          eager
     continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
@@ -42,6 +49,7 @@ class Features:
     gemv: bool = True
     async_scheduling: bool = True
     chunked_prefill: bool = False
+    fused_decode_layer: bool = False  # off until benchmarks/bench_engine.py on the H200 shows the gain
 
     def __post_init__(self):
         for f in fields(self):

@@ -12,8 +12,10 @@ sequence in a decode step. Per layer::
 GEMMs are cuBLAS (torch), except for a lone token (a decode step at batch 1): there each projection is one
 ``ops.gemv`` (gate_up's with SwiGLU in its epilogue, so no swiglu launch; see :func:`project`). Everything between
 them is one lessonlib kernel, or, with a :class:`Features` switch off, the plain-PyTorch way (lesson 07's tokens/s
-ladder). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one, :class:`EngineLayer`,
-serves both phases and many sequences of different lengths.
+ladder). With ``Features.fused_decode_layer`` a batch-1 decode step runs each layer in six kernels instead
+(:meth:`EngineLayer.fused_decode`: the norms, RoPE, the K/V write and the residual adds folded into the projections,
+``ops.decode_gemv``). ``lessonlib.decoder.DecoderLayer`` is lesson 05's single layer, decode only; this one,
+:class:`EngineLayer`, serves both phases and many sequences of different lengths.
 The three parts of a layer are separate methods (:meth:`EngineLayer.attention`, :meth:`EngineLayer.mlp`, the
 norms) so that the benchmark can time each part alone.
 """
@@ -91,11 +93,8 @@ class EngineLayer(nn.Module):
                                   validate=False)  # slots come from the block manager
         else:
             q = reference.rope_store_kv(qkv, cos, sin, k_cache, v_cache, ctx.slots, **heads)
-        if not ctx.is_prefill and fast.paged_decode:
-            out = ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, num_splits=ctx.decode_splits,
-                                      validate=False)
-        elif not ctx.is_prefill:
-            out = gather_then_sdpa(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.max_seq_len)
+        if not ctx.is_prefill:
+            out = self.decode_attention(q, ctx, k_cache, v_cache)
         elif ctx.flash_groups is None and fast.flash_prefill:
             out = ops.paged_prefill_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.query_starts,
                                               ctx.max_query_len, validate=False)
@@ -107,6 +106,27 @@ class EngineLayer(nn.Module):
             v = qkv[:, (self.heads + self.kv_heads) * d:].view(tokens, self.kv_heads, d)
             out = self._flash_prefill(q, k, v, ctx.flash_groups)
         return project(out.reshape(tokens, self.heads * d), self.o_proj, self.features)
+
+    def decode_attention(self, q: torch.Tensor, ctx: StepContext, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor) -> torch.Tensor:
+        """q: (B, H, D), one token per sequence, its K/V already in the pool. Returns (B, H, D)."""
+        if self.features.paged_decode:
+            return ops.paged_attention(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens,
+                                       num_splits=ctx.decode_splits, validate=False)
+        return gather_then_sdpa(q, k_cache, v_cache, ctx.block_table, ctx.seq_lens, ctx.max_seq_len)
+
+    def fused_decode(self, stream: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: StepContext,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+        """:meth:`forward` for one decode token (Features.fused_decode_layer) in six kernels, on the residual stream
+        (1, hidden), updated in place: the same rounding points as forward (ops.decode_gemv's docstring)."""
+        q = ops.decode_qkv_rope_store_kv(stream, self.qkv_proj.weight, self.qkv_proj.bias, self.input_norm, cos, sin,
+                                         k_cache, v_cache, ctx.slots, num_heads=self.heads,
+                                         num_kv_heads=self.kv_heads, eps=self.eps)  # K1
+        out = self.decode_attention(q, ctx, k_cache, v_cache)  # K2, K3
+        ops.decode_gemv(out.reshape(1, -1), self.o_proj.weight, self.o_proj.bias, residual=stream)  # K4
+        act = ops.decode_gemv(stream, self.gate_up_proj.weight, norm_weight=self.post_attention_norm, eps=self.eps,
+                              activation="swiglu")  # K5
+        ops.decode_gemv(act, self.down_proj.weight, residual=stream)  # K6
 
     def _normalize_heads(self, qkv: torch.Tensor) -> None:
         """Qwen3's q_norm and k_norm, in place on qkv's q and k columns: RMSNorm over each head's head_dim values,
@@ -207,8 +227,12 @@ class Model(nn.Module):
         """input_ids, positions: (T,); k_caches, v_caches: (layers, blocks, block_size, Hkv, D). Returns the final
         normed hidden states, (T, hidden)."""
         hidden = self.embed_tokens(input_ids)
-        residual = torch.zeros_like(hidden)  # the first add_rms_norm adds nothing: residual = embeddings
         cos, sin = self.cos[positions], self.sin[positions]
+        if self.features.fused_decode_layer and not ctx.is_prefill and hidden.shape[0] == 1 and not self.config.qk_norm:
+            for i, layer in enumerate(self.layers):  # hidden is the residual stream, updated in place
+                layer.fused_decode(hidden, cos, sin, ctx, k_caches[i], v_caches[i])
+            return ops.add_rms_norm(hidden, torch.zeros_like(hidden), self.norm, self.config.rms_norm_eps)[0]
+        residual = torch.zeros_like(hidden)  # the first add_rms_norm adds nothing: residual = embeddings
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(hidden, residual, cos, sin, ctx, k_caches[i], v_caches[i])
         norm = ops.add_rms_norm if self.features.fused_ops else reference.add_rms_norm

@@ -20,6 +20,7 @@ from lessonlib.ops.add_rms_norm import add_rms_norm  # noqa: E402
 from lessonlib.ops.apply_rope import apply_rope  # noqa: E402
 from lessonlib.ops.argmax import argmax  # noqa: E402
 from lessonlib.ops.bias_swiglu import bias_swiglu  # noqa: E402
+from lessonlib.ops.decode_gemv import decode_gemv, decode_qkv_rope_store_kv  # noqa: E402
 from lessonlib.ops.dequant_matmul import dequant_matmul  # noqa: E402
 from lessonlib.ops.flash_attention import flash_attention  # noqa: E402
 from lessonlib.ops.gated_mlp import FusedGatedMLP  # noqa: E402
@@ -30,5 +31,6 @@ from lessonlib.ops.rope_store_kv import rope_store_kv  # noqa: E402
 from lessonlib.ops.store_kv import store_kv  # noqa: E402
 from lessonlib.ops.swiglu import swiglu  # noqa: E402
 
-__all__ = ["absmax_normalize", "add_rms_norm", "apply_rope", "argmax", "bias_swiglu", "dequant_matmul", "flash_attention",
-           "gemv", "paged_attention", "paged_prefill_attention", "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]
+__all__ = ["absmax_normalize", "add_rms_norm", "apply_rope", "argmax", "bias_swiglu", "decode_gemv",
+           "decode_qkv_rope_store_kv", "dequant_matmul", "flash_attention", "gemv", "paged_attention",
+           "paged_prefill_attention", "rope_store_kv", "store_kv", "swiglu", "FusedGatedMLP"]

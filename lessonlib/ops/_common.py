@@ -132,7 +132,7 @@ def pdl() -> bool:
     returns when that kernel has ended and its writes are visible, and it ended only after its own wait: so after
     the wait every earlier kernel has ended. The rule for such a kernel: before ``gdc_wait()`` read nothing an earlier
     kernel may write, and write nothing an earlier kernel may read. ops.gemv loads only its weights and bias before
-    its wait (nothing in a decode step writes them); every other kernel waits first
+    its wait (nothing in a decode step writes them), ops.decode_gemv only its weights; every other kernel waits first
     (:func:`pdl_wait_then_trigger`). Elsewhere (the interpreter, a T4, an emulated T4) the kernels take the plain
     path: their ``PDL`` constexpr is False and the calls are compiled out."""
     if os.environ.get("LESSONLIB_PDL", "1").strip() == "0" or runtime.mode() != "gpu":

@@ -82,20 +82,27 @@ def _rope_store_kv_kernel(
         tl.store(v_cache_ptr + slot * row + cols, tl.load(v_row + cols, mask=mask), mask=mask)
 
 
+def check_heads_and_caches(op: str, k_cache, v_cache, num_heads, num_kv_heads) -> int:
+    """The head counts and the paged caches of an op that writes K/V (this one, ops.decode_qkv_rope_store_kv);
+    returns head_dim."""
+    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"{op}: {name} must be a positive int, got {n!r}")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads:
+        raise ValueError(f"{op}: caches must be (num_blocks, block_size, {num_kv_heads}, head_dim) and "
+                         f"alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError(f"{op}: k_cache and v_cache must be contiguous")
+    head_dim = k_cache.shape[3]
+    if head_dim % 2:
+        raise ValueError(f"{op}: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    return head_dim
+
+
 def _check(qkv, cos, sin, k_cache, v_cache, slots, num_heads, num_kv_heads) -> None:
     """Every check that reads no tensor's values (the fake implementation runs these too)."""
     check_tensors("rope_store_kv", qkv=qkv, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
-    for name, n in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ValueError(f"rope_store_kv: {name} must be a positive int, got {n!r}")
-    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or k_cache.shape[2] != num_kv_heads:
-        raise ValueError(f"rope_store_kv: caches must be (num_blocks, block_size, {num_kv_heads}, head_dim) and "
-                         f"alike, got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("rope_store_kv: k_cache and v_cache must be contiguous")
-    head_dim = k_cache.shape[3]
-    if head_dim % 2:
-        raise ValueError(f"rope_store_kv: head_dim must be even (rotate_half splits it in two halves), got {head_dim}")
+    head_dim = check_heads_and_caches("rope_store_kv", k_cache, v_cache, num_heads, num_kv_heads)
     width = (num_heads + 2 * num_kv_heads) * head_dim
     if qkv.dim() != 2 or qkv.shape[1] != width:
         raise ValueError(f"rope_store_kv: qkv must be (T, (num_heads + 2 * num_kv_heads) * head_dim) = (T, "

@@ -25,6 +25,7 @@ IMPL_COLORS = {  # one colour per implementation, in every figure
     Impl.ENGINE_EAGER: "#d62728",
     Impl.ENGINE_GRAPHS_CUBLAS: "#98df8a",  # the engine's light green: the same engine, cuBLAS for its projections
     Impl.ENGINE_GRAPHS_SYNC: "#bcbd22",  # olive: the same engine, the host waiting for each step's tokens
+    Impl.ENGINE_FUSED_DECODE: "#006d2c",  # the engine's dark green: the same engine, six kernels per batch-1 layer
 }
 
 

@@ -138,6 +138,22 @@ def batch_1_summary(results) -> str:
             f"alone: {gpu['us']:,.0f} µs")
 
 
+def fused_decode_summary(results) -> str:
+    """The batch-1 decode step with ``Features.fused_decode_layer`` off and on, from bench_engine.py's records: kernels
+    per layer (the profiler's count of one layer) and, where timed, the step's GPU time against its bytes-read limit;
+    "" for a file that predates them."""
+    steps = {r["fused_decode_layer"]: r for r in results.select(op=Op.BATCH_1_DECODE_STEP)}
+    if set(steps) != {False, True}:
+        return ""
+    off, on = steps[False], steps[True]
+    text = (f"batch-1 decode step, Features.fused_decode_layer off / on: {off['kernels_per_layer']} / "
+            f"{on['kernels_per_layer']} kernels per layer")
+    if off["gpu_us"] is not None and on["gpu_us"] is not None:
+        text += (f"; GPU time per step {off['gpu_us']:,.0f} / {on['gpu_us']:,.0f} µs against a bytes-read limit of "
+                 f"{on['limit_us']:,.0f} µs ({off['fraction_of_limit']:.2f}x / {on['fraction_of_limit']:.2f}x of it)")
+    return text
+
+
 def ladder_records(results) -> list[dict]:
     """The recorded tokens/s ladder, in rung order; [] when the file predates it."""
     return results.select(op=Op.LADDER) if results is not None else []

@@ -151,7 +151,7 @@ def test_every_kernel_and_dtype_is_compiled(compiled, triton_build, profile):
     records = [r for r in compiled[triton_build, profile] if not r.get("planted")]
     kernels = {name for module in ("flash_attention", "paged_attention", "paged_prefill_attention", "swiglu",
                                    "add_rms_norm", "apply_rope", "store_kv", "rope_store_kv", "argmax", "gemv",
-                                   "bias_swiglu", "dequant_matmul", "absmax_normalize")
+                                   "decode_gemv", "bias_swiglu", "dequant_matmul", "absmax_normalize")
                for name in vars(_ops_module(module)) if name.startswith("_") and name.endswith("_kernel")}
     assert {r["kernel"] for r in records} == kernels  # a new kernel needs a case in tools/compile_targets.py
     wanted = {str(d).removeprefix("torch.") for d in (torch.float32, torch.float16, torch.bfloat16)

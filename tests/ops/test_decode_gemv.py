@@ -1,0 +1,247 @@
+"""ops.decode_gemv and ops.decode_qkv_rope_store_kv against their references in float64: the RMSNorm prologue, the
+SwiGLU, residual-add and RoPE + K/V-write epilogues, odd shapes (K not a multiple of the tile, N not a multiple of
+the program's columns), outputs and caches poisoned, the errors raised before any launch, and planted bugs that the
+checks must catch."""
+
+import importlib
+
+import pytest
+import torch
+
+from lessonlib import ops, reference, runtime
+from lessonlib.testing import check_close, poisoned_outputs
+from tests.conftest import DEVICE, randn
+
+module = importlib.import_module("lessonlib.ops.decode_gemv")
+
+
+def small_tiles(monkeypatch):
+    """The GPU's shape of configuration at interpreter sizes: a few outputs per program and K in tiles, so that
+    several programs, a last one partly past N and a ragged last K tile all run."""
+    monkeypatch.setattr(module, "config", lambda n_out, k, epilogue: {"BLOCK_N": 4, "BLOCK_K": 16, "num_warps": 4})
+
+
+def normed_magnitude(x, weight, bias, norm_weight, eps):
+    """The largest sum of |terms| of an output (float64): the scale of a float32 accumulation's roundings."""
+    x, weight = x.double(), weight.double()
+    if norm_weight is not None:
+        x = reference.add_rms_norm(x, torch.zeros_like(x), norm_weight.double(), eps)[0]
+    terms = x.abs() @ weight.abs().T + (bias.double().abs() if bias is not None else 0)
+    return terms
+
+
+def check_decode_gemv(m, n, k, dtype, norm, activation, with_residual, with_bias, eps=1e-5):
+    x = randn(m, k, dtype=dtype) * 3  # a stream well away from unit RMS: the prologue's rstd matters
+    weight = randn(n, k, dtype=dtype, scale=k ** -0.5)
+    bias = randn(n, dtype=dtype) if with_bias else None
+    norm_weight = (1 + 0.5 * randn(k)).to(dtype) if norm else None
+    residual = randn(m, n, dtype=dtype) if with_residual else None
+    before = residual.clone() if with_residual else None
+    with poisoned_outputs():
+        out = ops.decode_gemv(x, weight, bias, norm_weight=norm_weight, eps=eps, activation=activation,
+                              residual=residual)
+    if with_residual:
+        assert out is residual  # updated in place
+    verify_decode_gemv(out, x, weight, bias, norm_weight, eps, activation, before)
+
+
+def verify_decode_gemv(out, x, weight, bias, norm_weight, eps, activation, residual_before):
+    """out against float64 on the inputs it was given (``residual_before``: the residual before the call)."""
+    kwargs = {"eps": eps, "activation": activation}
+    args64 = [t.double() if t is not None else None for t in (x, weight, bias, norm_weight, residual_before)]
+    truth = reference.decode_gemv(*args64[:3], norm_weight=args64[3], residual=args64[4], **kwargs)
+    low = reference.decode_gemv(x, weight, bias, norm_weight=norm_weight, **kwargs,
+                                residual=residual_before.clone() if residual_before is not None else None)
+    terms = normed_magnitude(x, weight, bias, norm_weight, eps)
+    if activation == "swiglu":
+        gate, up = terms.chunk(2, dim=-1)
+        terms = gate * up
+    magnitude = (terms + (residual_before.double().abs() if residual_before is not None else 0)).max().item()
+    check_close("decode_gemv", out, truth, low, magnitude=magnitude)
+
+
+CASES = [  # (m, n, k, norm, activation, residual, bias): each option on, and together
+    (1, 7, 33, True, None, False, False),
+    (1, 300, 515, True, "swiglu", False, False),
+    (1, 123, 1000, False, None, True, False),
+    (2, 10, 77, True, None, True, True),
+    (1, 2 * 11, 50, True, "swiglu", False, True),
+]
+
+
+@pytest.mark.parametrize("m, n, k, norm, activation, residual, bias", CASES)
+def test_decode_gemv_matches_float64(m, n, k, norm, activation, residual, bias, dtype):
+    check_decode_gemv(m, n, k, dtype, norm, activation, residual, bias)
+
+
+@pytest.mark.parametrize("norm, activation, residual", [(True, "swiglu", False), (True, None, True)])
+def test_decode_gemv_with_the_gpus_small_tiles(monkeypatch, norm, activation, residual, dtype):
+    small_tiles(monkeypatch)
+    check_decode_gemv(1, 2 * 9, 50, dtype, norm, activation, residual, with_bias=True)  # K=50: a ragged tile
+    check_decode_gemv(1, 2 * 9, 64, dtype, norm, activation, residual, with_bias=False)  # K=64: no mask along K
+
+
+def qkv_inputs(m, heads, kv_heads, head_dim, k, dtype, block_size=4, with_bias=True):
+    width = (heads + 2 * kv_heads) * head_dim
+    x = randn(m, k, dtype=dtype) * 2
+    weight, norm_weight = randn(width, k, dtype=dtype, scale=k ** -0.5), (1 + 0.5 * randn(k)).to(dtype)
+    bias = randn(width, dtype=dtype) if with_bias else None
+    cos, sin = reference.rope_cos_sin(torch.randint(0, 4096, (m,), device=DEVICE), head_dim, dtype=dtype)
+    num_blocks = 2 * -(-m // block_size) + 1
+    k_cache = torch.full((num_blocks, block_size, kv_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE)[:m]
+    return x, weight, bias, norm_weight, cos, sin, k_cache, k_cache.clone(), slots
+
+
+def check_qkv(inputs, heads, kv_heads, eps=1e-5, launch=ops.decode_qkv_rope_store_kv):
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = inputs
+    with poisoned_outputs():
+        q = launch(x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots, num_heads=heads,
+                   num_kv_heads=kv_heads, eps=eps)
+    verify_qkv(q, inputs, heads, kv_heads, eps)
+
+
+def verify_qkv(q, inputs, heads, kv_heads, eps):
+    """q and the two caches' rows at the slots against float64 (the caches were NaN before the call); every other
+    slot still NaN."""
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = inputs
+    heads_kw = {"num_heads": heads, "num_kv_heads": kv_heads, "eps": eps}
+    f64 = [t.double() if t is not None else None for t in (x, weight, bias, norm_weight, cos, sin)]
+    k64, v64 = (torch.full_like(k_cache, float("nan"), dtype=torch.float64) for _ in range(2))
+    q_truth = reference.decode_qkv_rope_store_kv(*f64, k64, v64, slots, **heads_kw)
+    k_low, v_low = (torch.full_like(k_cache, float("nan")) for _ in range(2))
+    q_low = reference.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, cos, sin, k_low, v_low, slots, **heads_kw)
+    terms = normed_magnitude(x, weight, bias, norm_weight, eps)
+    magnitude = 2 * terms.max().item()  # a rotated value mixes two columns, each times a cosine or a sine
+    check_close("decode_qkv_rope_store_kv q", q, q_truth, q_low, magnitude=magnitude)
+    rows = (lambda cache: cache.view(-1, kv_heads, cache.shape[-1])[slots])
+    for name, cache, truth, low in (("k_cache", k_cache, k64, k_low), ("v_cache", v_cache, v64, v_low)):
+        check_close(f"decode_qkv_rope_store_kv {name}", rows(cache), rows(truth), rows(low), magnitude=magnitude)
+        others = torch.ones(cache.shape[0] * cache.shape[1], dtype=torch.bool, device=DEVICE)
+        others[slots] = False
+        assert cache.view(-1, kv_heads, cache.shape[-1])[others].isnan().all(), f"{name}: a slot not given written"
+
+
+@pytest.mark.parametrize("m, heads, kv_heads, head_dim, k", [(1, 4, 2, 16, 33), (2, 5, 1, 8, 100), (1, 14, 2, 4, 61)])
+def test_decode_qkv_rope_store_kv_matches_float64(m, heads, kv_heads, head_dim, k, dtype):
+    check_qkv(qkv_inputs(m, heads, kv_heads, head_dim, k, dtype), heads, kv_heads)
+
+
+def test_decode_qkv_rope_store_kv_with_the_gpus_small_tiles(monkeypatch, dtype):
+    """Four pairs per program: a program holds part of one head's two halves; K in tiles with a ragged end."""
+    small_tiles(monkeypatch)
+    check_qkv(qkv_inputs(1, 3, 1, 16, 50, dtype, with_bias=False), 3, 1)
+
+
+def test_the_gpus_own_tiles(monkeypatch):
+    """decode_gemv.GPU_TILES as the launchers pick them on the H200 (the profile asked for, the kernels still run in
+    the interpreter or on this GPU): K=2048 in one tile, a few outputs per program, every epilogue."""
+    monkeypatch.setattr(runtime, "gpu_profile", lambda: runtime.PROFILES["h200"])
+    assert module.config(16, 2048, module.ROPE_KV) == {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4}
+    dtype = torch.float32
+    check_qkv(qkv_inputs(1, 2, 1, 8, 2048, dtype), 2, 1)
+    check_decode_gemv(1, 2 * 9, 2048, dtype, norm=True, activation="swiglu", with_residual=False, with_bias=False)
+    check_decode_gemv(1, 9, 2100, dtype, norm=False, activation=None, with_residual=True, with_bias=False)
+
+
+def swapped_cos_sin(x, weight, bias, norm_weight, cos, sin, *args, **kwargs):
+    return ops.decode_qkv_rope_store_kv(x, weight, bias, norm_weight, sin, cos, *args, **kwargs)
+
+
+def without_norm(x, weight, bias, norm_weight, *args, **kwargs):
+    return ops.decode_qkv_rope_store_kv(x, weight, bias, None, *args, **kwargs)
+
+
+@pytest.mark.parametrize("bug", [swapped_cos_sin, without_norm], ids=["cos and sin swapped", "norm skipped"])
+def test_the_checks_catch_a_planted_bug(bug):
+    with pytest.raises(AssertionError):
+        check_qkv(qkv_inputs(1, 4, 2, 16, 33, torch.float32), 4, 2, launch=bug)
+
+
+def test_the_residual_check_catches_a_skipped_add(monkeypatch):
+    """A residual epilogue that stores y instead of stream + y (the plain store) must fail the check."""
+    monkeypatch.setattr(module, "RESIDUAL", module.STORE)
+    with pytest.raises(AssertionError):
+        check_decode_gemv(1, 7, 33, torch.float32, True, None, True, False)
+
+
+@pytest.mark.parametrize("call, error, message", [
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), norm_weight=randn(7)), ValueError, r"norm_weight must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), residual=randn(1, 5)), ValueError, r"residual must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), activation="swiglu", residual=randn(1, 6)), ValueError,
+     "no residual"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), activation="gelu"), ValueError, "activation must be"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), norm_weight=randn(8), eps=0.0), ValueError, "eps"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 8), residual=randn(1, 6, dtype=torch.float16)), TypeError,
+     "mixed dtypes"),
+    (lambda: ops.decode_gemv(randn(1, 8), randn(6, 9)), ValueError, "K=8"),
+])
+def test_decode_gemv_rejects_bad_input(call, error, message):
+    with pytest.raises(error, match=message):
+        call()
+
+
+def test_decode_gemv_refuses_a_residual_that_is_its_input_and_leaves_it_untouched():
+    stream = randn(1, 8)
+    before = stream.clone()
+    with pytest.raises(ValueError, match="shares memory"):
+        ops.decode_gemv(stream, randn(8, 8), residual=stream)
+    assert torch.equal(stream, before)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda a: a.update(weight=a["weight"][:-2], bias=a["bias"][:-2]), "rows"),
+    (lambda a: a.update(cos=a["cos"][:, :-2]), "cos must be"),
+    (lambda a: a.update(v_cache=a["v_cache"][:, :2]), "caches must be"),
+    (lambda a: a.update(slots=a["slots"].float()), "slots must be an integer"),
+    (lambda a: a.update(num_kv_heads=3), "caches must be"),
+])
+def test_decode_qkv_rope_store_kv_rejects_bad_input_before_writing(change, message):
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = qkv_inputs(1, 4, 2, 16, 33, torch.float32)
+    args = dict(x=x, weight=weight, bias=bias, norm_weight=norm_weight, cos=cos, sin=sin, k_cache=k_cache,
+                v_cache=v_cache, slots=slots, num_heads=4, num_kv_heads=2)
+    change(args)
+    with pytest.raises((ValueError, TypeError), match=message):
+        ops.decode_qkv_rope_store_kv(**args)
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+@pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
+def test_a_layer_of_kernels_in_a_cuda_graph():
+    """o (residual add into stream a), gate_up (reads a whole: norm prologue, SwiGLU), down (residual add into stream
+    b), the next qkv (reads b whole: norm, RoPE, K/V write), at Llama-3.2-1B's sizes, captured in one graph and
+    replayed on fresh inputs. With PDL (Hopper) each kernel starts before the previous one ends: one that read its
+    x or stream before its wait would read the previous replay's values, and fail its check against float64 on the
+    inputs as written."""
+    dtype = runtime.supported_dtypes()[-1]
+    h, inter, heads, kv_heads, d, eps = 2048, 8192, 32, 8, 64, 1e-5
+    attn, a, b = (randn(1, h, dtype=dtype) for _ in range(3))
+    wo, wd = randn(h, h, dtype=dtype, scale=h ** -0.5), randn(h, inter, dtype=dtype, scale=inter ** -0.5)
+    wgu, norm = randn(2 * inter, h, dtype=dtype, scale=h ** -0.5), (1 + 0.5 * randn(h)).to(dtype)
+    qkv = qkv_inputs(1, heads, kv_heads, d, h, dtype)
+    wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots = qkv[1:]
+
+    def layer():
+        ops.decode_gemv(attn, wo, residual=a)
+        act = ops.decode_gemv(a, wgu, norm_weight=norm, eps=eps, activation="swiglu")
+        ops.decode_gemv(act, wd, residual=b)
+        q = ops.decode_qkv_rope_store_kv(b, wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots, num_heads=heads,
+                                         num_kv_heads=kv_heads, eps=eps)
+        return act, q
+
+    layer()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        act, q = layer()  # kept: the graph writes these tensors at every replay
+    for _ in range(3):
+        for t in (attn, a, b):
+            t.copy_(randn(1, h, dtype=dtype))
+        a0, b0 = a.clone(), b.clone()
+        k_cache.fill_(float("nan"))
+        v_cache.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        verify_decode_gemv(a, attn, wo, None, None, eps, None, a0)
+        verify_decode_gemv(act, a, wgu, None, norm, eps, "swiglu", None)
+        verify_decode_gemv(b, act, wd, None, None, eps, None, b0)
+        verify_qkv(q, (b, wqkv, bqkv, nqkv, cos, sin, k_cache, v_cache, slots), heads, kv_heads, eps)
