@@ -289,7 +289,7 @@ def main():
     args = bench.parse_args(__doc__, "bench_engine.py", flags={
         "--ladder-only": "only the tokens/s ladder, its records put into the --out file in place of its ladder",
         "--qwen-shape": "a Qwen2.5-0.5B-shaped model instead of Llama-3.2-1B's (no ladder)",
-        "--no-ladder": "everything but the tokens/s ladder (write it apart from the committed file)"})
+        "--no-ladder": "everything but the tokens/s ladder; an --out file's ladder (records, notes) is kept"})
     dtype = runtime.dtype(cpu=torch.float32)
     run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
     started = time.perf_counter()
@@ -352,6 +352,12 @@ def benchmark(run, out, folder, started, qwen=False, ladder=True):
         torch.cuda.empty_cache()
     if ladder and not qwen:
         tokens_per_s_ladder(run, path, config, prompt_len, torch.Generator().manual_seed(1))  # a workload of its own
+    elif not qwen and Path(out).exists():  # --no-ladder: the --out file's ladder kept, with its own provenance
+        kept = load(out)
+        run.records += [r for r in kept.records if r["op"] == Op.LADDER]
+        if "ladder" in kept.notes:
+            run.notes["ladder"] = {"provenance": {"command": kept.command, **kept.environment,
+                                                  "seconds": kept.notes.get("seconds")}, **kept.notes["ladder"]}
     run.notes["vllm"] = "not measured: the benchmark machine has no vLLM, and it cannot be installed there"
     run.notes["seconds"] = round(time.perf_counter() - started, 1)
     run.save(out, ceilings)
