@@ -22,15 +22,19 @@ compiled in as 1), so the key refines Triton's own rule: :func:`works_here` chec
 ``native_specialize_impl`` and the binder's backend, that inputs of one key are specialized alike, before the
 first cached launch.
 
-Every launch of a process takes the plain path when: it runs in the interpreter, the environment sets
-``LESSONLIB_FAST_LAUNCH=0``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
+Opt-in for now: ``LESSONLIB_FAST_LAUNCH=1`` turns it on. It was built and checked against Triton 3.6's and 3.9's
+source and with a stand-in driver, but has not yet run on a GPU; it becomes the default once the H200 run of
+tests/ops/test_launcher.py and benchmarks/bench_per_call.py has checked and timed it.
+
+Every launch of a process takes the plain path when: it runs in the interpreter, the environment does not set
+``LESSONLIB_FAST_LAUNCH=1``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
 Triton's launch does not have the form above, that its specialization is not the one the key assumes, or that a
 probe kernel's cached launch wrote other values than its plain launch. One call takes it when: a launch hook is
 set (a profiler such as proton reads the launch metadata), the kernel has pre-run hooks, a global it read has
 changed (Triton raises), it is not a JITFunction (an autotuner), the grid is not a tuple, an argument is not a
 tensor, an int or a float, or a constexpr is passed positionally. Not watched: Triton settings that change the
-compile options mid-process (``knobs.runtime.debug``, instrumentation); set them before the first launch, or set
-``LESSONLIB_FAST_LAUNCH=0``. ``plain_launches()`` forces the plain path for a block (tests, benchmarks).
+compile options mid-process (``knobs.runtime.debug``, instrumentation); set them before the first launch, or leave
+``LESSONLIB_FAST_LAUNCH`` unset. ``plain_launches()`` forces the plain path for a block (tests, benchmarks).
 
 Python time before the driver call, measured on CPU with a stand-in driver
 (benchmarks/experiments/dispatch_overhead_cpu.py, Triton 3.9): swiglu's launch 8.5 us plain, 2.5 us cached;
@@ -188,8 +192,8 @@ def why_not() -> str | None:
 
 
 def _decide() -> str | None:
-    if os.environ.get(ENV, "1").strip() == "0":
-        return f"{ENV}=0"
+    if os.environ.get(ENV, "0").strip() != "1":
+        return f"{ENV} is not 1: off by default until a GPU run has checked it (benchmarks/NOTES.md, session 13)"
     if not runtime.on_gpu():
         return "not on a GPU (Triton's interpreter launches kernels its own way)"
     try:

@@ -2,6 +2,7 @@
 with a recording stand-in for Triton's kernel (any machine), the plain path in the interpreter, and on the GPU the
 cached path bit for bit against the plain one, for every public op, including the cases a wrong hit would break."""
 
+import os
 import sys
 
 import pytest
@@ -18,6 +19,21 @@ from tests.conftest import randn
 _swiglu_module = sys.modules["lessonlib.ops.swiglu"]
 _add_rms_norm_module = sys.modules["lessonlib.ops.add_rms_norm"]
 gpu_only = pytest.mark.skipif(not runtime.on_gpu(), reason="the cached launch runs on a GPU only")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def cached_path_turned_on():
+    """The cached path is opt-in (LESSONLIB_FAST_LAUNCH=1): on for this module's tests, decided afresh, and the
+    process's earlier decision put back after them."""
+    saved_env, saved = os.environ.get(_launcher.ENV), list(_launcher._decided)
+    os.environ[_launcher.ENV] = "1"
+    _launcher._decided.clear()
+    yield
+    _launcher._decided[:] = saved
+    if saved_env is None:
+        os.environ.pop(_launcher.ENV, None)
+    else:
+        os.environ[_launcher.ENV] = saved_env
 
 
 # --- the key ---------------------------------------------------------------------------------------------------
@@ -253,9 +269,13 @@ def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch)
     assert _launcher.works_here() and _launcher.works_here() and decisions == [1]
 
 
-def test_the_environment_switch_turns_the_cached_path_off(monkeypatch):
-    monkeypatch.setenv(_launcher.ENV, "0")
-    assert _launcher._decide() == f"{_launcher.ENV}=0"
+@pytest.mark.parametrize("value", [None, "0", "yes"])
+def test_the_cached_path_is_off_unless_the_environment_turns_it_on(monkeypatch, value):
+    if value is None:
+        monkeypatch.delenv(_launcher.ENV, raising=False)
+    else:
+        monkeypatch.setenv(_launcher.ENV, value)
+    assert _launcher._decide().startswith(f"{_launcher.ENV} is not 1")
 
 
 # --- the plain path in the interpreter, and where the public ops dispatch --------------------------------------
