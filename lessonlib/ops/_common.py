@@ -58,8 +58,8 @@ def _raise_for(op, first_name, first, name, t, supported):
 
 def launch(kernel, grid, *args, **meta):
     """kernel[grid](*args, **meta), returning what Triton returns (on the GPU the compiled kernel: its n_regs and
-    n_spills). On the GPU a configuration launched before goes straight to its compiled kernel's launcher
-    (``_launcher.launch``: the same launch, Triton's binder skipped; opt-in, ``LESSONLIB_FAST_LAUNCH=1``, until a GPU run has checked it).
+    n_spills). On the GPU, with ``LESSONLIB_FAST_LAUNCH=1`` (opt-in until a GPU run has checked it), a configuration
+    launched before goes straight to its compiled kernel's launcher (``_launcher.launch``: Triton's binder skipped).
     In interpreter mode the launch is also named in torch.profiler traces, so launch counts work on CPU; on the GPU
     Triton's kernels show up in the profiler by themselves, at no extra cost."""
     if runtime.on_gpu():

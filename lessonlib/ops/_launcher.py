@@ -176,9 +176,13 @@ def works_here() -> bool:
     graph capture: the probe launches and syncs, which a capture forbids; until then launches are plain)."""
     if _decided:
         return _decided[0] is None
-    if runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
+    if _opted_in() and runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
         return False
     return why_not() is None
+
+
+def _opted_in() -> bool:
+    return os.environ.get(ENV, "0").strip() == "1"
 
 
 _decided: list = []  # [None] or [the reason the plain path is taken], once decided
@@ -192,7 +196,7 @@ def why_not() -> str | None:
 
 
 def _decide() -> str | None:
-    if os.environ.get(ENV, "0").strip() != "1":
+    if not _opted_in():
         return f"{ENV} is not 1: off by default until a GPU run has checked it (benchmarks/NOTES.md, session 13)"
     if not runtime.on_gpu():
         return "not on a GPU (Triton's interpreter launches kernels its own way)"

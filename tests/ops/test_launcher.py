@@ -269,6 +269,16 @@ def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch)
     assert _launcher.works_here() and _launcher.works_here() and decisions == [1]
 
 
+def test_off_means_no_cuda_call_even_where_a_gpu_is_pretended(monkeypatch):
+    """Tests elsewhere pretend a GPU in the interpreter (runtime.on_gpu patched): with the cached path not opted in,
+    deciding must not touch torch.cuda, which a CPU build of torch cannot answer."""
+    monkeypatch.delenv(_launcher.ENV, raising=False)
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("torch.cuda was asked"))
+    assert not _launcher.works_here()
+
+
 @pytest.mark.parametrize("value", [None, "0", "yes"])
 def test_the_cached_path_is_off_unless_the_environment_turns_it_on(monkeypatch, value):
     if value is None:
