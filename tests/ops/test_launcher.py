@@ -350,7 +350,7 @@ def test_why_not_asked_during_a_capture_decides_nothing(monkeypatch):
 
 def _probe_reference(x, out, n, scale, BLOCK, SHIFT=1):
     """What _launcher._probe_kernel computes, in PyTorch."""
-    out[:n] = x[:n] * scale + SHIFT + torch.arange(n, dtype=x.dtype)
+    out[:n] = x[:n] * scale + SHIFT + torch.arange(n, dtype=x.dtype, device=x.device)
 
 
 class _ProbeKernel(_Kernel):
