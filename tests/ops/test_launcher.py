@@ -265,8 +265,8 @@ def test_a_cached_launch_runs_the_kernel_tritons_own_launch_would(triton_kernel,
 
 
 def test_a_cached_launch_runs_what_triton_would_in_any_order(triton_kernel):
-    """Ints around every boundary and floats, as n and scale, in a fresh random order (each class is met first
-    by a fresh value): every launch is the one Triton's own binder picks."""
+    """Ints around every boundary and floats, as n and scale, in a fresh random order (so which value of a key
+    fills the cache changes from run to run): every launch is the one Triton's own binder picks, or both raise."""
     ints = [v for v in _launcher.specialization_samples("cpu") if isinstance(v, int)]
     values = [("n", v) for v in ints] + [("scale", v) for v in (0.0, -2.5, 1e300, float("nan"), True)]
     for i in torch.randperm(len(values)).tolist():
