@@ -11,7 +11,8 @@ bf16, at T=1 and T=128 (hidden 4096, intermediate 14336: bench_fusion.py's shape
 Timing: after a sync, ``CALLS`` back-to-back calls timed with ``time.perf_counter`` up to a sync at the end; each
 round times every peer in one order, then in the reverse order (A B C D, D C B A), ``ROUNDS`` rounds; the record is
 the median of those samples, with their spread. The notes hold each op's ratio to eager (issue 27's target: <= 1.0
-for the cached launch) and whether the cached launch ran (``_launcher.why_not``). Both lessonlib paths are checked
+for the cached launch), whether the cached launch is on (``_launcher.why_not``) and whether it ran for each case
+(``cached_launch_ran``: the checked call launched without Triton's binder). Both lessonlib paths are checked
 against float64 first, and against each other bit for bit. ``--smoke`` runs tiny sizes in any mode (interpreter:
 both lessonlib paths are the plain launch there).
 """
@@ -95,9 +96,10 @@ def swiglu_case(dtype, tokens, intermediate):
 
     def check():
         plain_out, _ = plain_call(lambda: ops.swiglu(gate, up)), ops.swiglu(gate, up)  # the second fills the cache
-        cached = ops.swiglu(gate, up)
+        cached, ran = binder_skipped(_swiglu_kernel, lambda: ops.swiglu(gate, up))
         check_close("swiglu", cached, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up))
         assert torch.equal(cached, plain_out), "swiglu: the cached and the plain launch differ"
+        return ran
 
     return Op.SWIGLU, {"T": tokens, "I": intermediate}, peers, check
 
@@ -120,10 +122,12 @@ def add_rms_norm_case(dtype, tokens, hidden):
 
     def check():
         plain_out, _ = plain_call(lambda: ops.add_rms_norm(x, res, w, EPS)), ops.add_rms_norm(x, res, w, EPS)
-        cached = ops.add_rms_norm(x, res, w, EPS)  # from the cache filled by the call before
+        # from the cache filled by the call before
+        cached, ran = binder_skipped(_add_rms_norm_kernel, lambda: ops.add_rms_norm(x, res, w, EPS))
         want = reference.add_rms_norm(*to_float64(x, res, w), EPS)
         check_close("add_rms_norm", cached[0], want[0], reference.add_rms_norm(x, res, w, EPS)[0])
         assert all(torch.equal(a, b) for a, b in zip(cached, plain_out)), "add_rms_norm: cached and plain launch differ"
+        return ran
 
     return Op.ADD_RMS_NORM, {"T": tokens, "H": hidden}, peers, check
 
@@ -131,6 +135,17 @@ def add_rms_norm_case(dtype, tokens, hidden):
 def plain_call(fn):
     with _launcher.plain_launches():
         return fn()
+
+
+def binder_skipped(kernel, fn):
+    """``fn()``, and whether it launched ``kernel`` without Triton's ``JITFunction.run`` (its binder): whether the
+    cached launch, not only its switch, ran for the call the cached peer times."""
+    runs, real_run = [], kernel.run
+    kernel.run = lambda *args, **kwargs: runs.append(1) or real_run(*args, **kwargs)
+    try:
+        return fn(), not runs
+    finally:
+        del kernel.run  # the class's method again
 
 
 def bench_randn(*shape_and_dtype):
@@ -151,12 +166,12 @@ def main():
     run.notes["cached_launch"] = _launcher.why_not() or "on"
     run.notes["timing"] = (f"{calls} back-to-back calls between syncs, time.perf_counter; {rounds} rounds, each in "
                            "the peers' order then reversed; median and spread of the samples")
-    ratios = {}
+    ratios, cached_ran = {}, {}
     with torch.inference_mode():
         for tokens in SMOKE_TOKENS if smoke else TOKENS:
             for op, shape, peers, check in (swiglu_case(run.dtype, tokens, intermediate),
                                             add_rms_norm_case(run.dtype, tokens, hidden)):
-                check()
+                cached_ran[f"{op} T={tokens}"] = check()
                 if run.check_only:
                     continue
                 samples = per_call_samples(peers, calls, rounds)
@@ -165,8 +180,9 @@ def main():
                     run.record(op, impl, shape, median[impl], regime=Regime.PER_CALL,
                                samples_us=[round(v, 3) for v in s])
                 ratios[f"{op} T={tokens}"] = round(median[Impl.LESSONLIB_CACHED_LAUNCH] / median[EAGER[op]], 3)
-    run.notes["cached_over_eager"] = ratios
-    print("cached launch:", run.notes["cached_launch"], "| lessonlib (cached) / eager per call:", ratios)
+    run.notes["cached_over_eager"], run.notes["cached_launch_ran"] = ratios, cached_ran
+    print("cached launch:", run.notes["cached_launch"], "| ran (binder skipped):", cached_ran,
+          "| lessonlib (cached) / eager per call:", ratios)
     run.save(args.out, {})
 
 

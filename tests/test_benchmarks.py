@@ -114,6 +114,9 @@ def test_bench_per_call_smoke_times_each_launch_path_against_eager_in_both_order
     assert set(recorded.notes["cached_over_eager"]) == {f"{op} T={t}" for op in bench_per_call.EAGER
                                                        for t in bench_per_call.SMOKE_TOKENS}
     assert recorded.notes["cached_launch"] == ("on" if runtime.on_gpu() else _launcher.why_not())
+    # each case's checked call skipped Triton's binder exactly where the cached launch is on (never in the interpreter)
+    ran = recorded.notes["cached_launch_ran"]
+    assert ran == {case: runtime.on_gpu() for case in recorded.notes["cached_over_eager"]}
 
 
 def test_bench_fusion_extras_smoke_writes_a_results_file(tmp_path):

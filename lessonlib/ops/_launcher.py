@@ -12,10 +12,21 @@ does: ``run(grid_0, grid_1, grid_2, stream, function, packed_metadata, launch_me
 *arguments)``, every parameter in signature order (the launcher drops the constexpr ones). A configuration is
 what Triton would compile a different kernel for:
 
-* the kernel, the current device, and ``meta`` (constexpr values and options such as ``num_warps``);
+* the kernel, the current device, and ``meta`` (constexpr values and options such as ``num_warps``) as Python
+  compares them: ``SHIFT=1``, ``1.0`` and ``True`` are one key, as they are in Triton's own in-memory key cache
+  (``compute_cache_key``: a dict keyed by the specialization tuple, 3.6 and 3.9), so both paths launch the kernel
+  compiled for the first of them (tests/ops/test_launcher.py checks against Triton's binder);
 * per tensor argument its dtype and whether its address is a multiple of 16 bytes;
 * per int argument whether it is 1 (Triton makes it a constant), a multiple of 16, and whether it fits in 32 or
-  64 bits (the parameter's type); a float is a float32 parameter whatever its value.
+  64 bits or only in uint64 (the parameter's type; past 64 bits the call is plain: Triton raises); a float is a
+  float32 parameter whatever its value.
+
+What the launcher does besides the arguments is fixed per compiled kernel, in Triton 3.6 and 3.9 alike:
+``launch_pdl``, ``launch_cooperative_grid`` and ``num_ctas`` (the cluster size) are compile options, so they are in
+``meta`` and in the key; the launcher (``CudaLauncher``) reads them from the compiled kernel's metadata, as
+``packed_metadata`` holds ``num_warps``, ``num_ctas`` and the shared memory; it allocates any global scratch itself on
+every call. The stream and device are looked up on every call as ``JITFunction.run`` does (the driver's
+``get_current_stream``: torch's current stream, so a ``torch.cuda.stream`` context or a CUDA graph capture's stream).
 
 A wrong hit would launch a kernel specialized for other inputs (vector loads on a misaligned pointer, an ``n_cols``
 compiled in as 1), so the key refines Triton's own rule: :func:`works_here` checks, with this Triton's
@@ -28,13 +39,16 @@ tests/ops/test_launcher.py and benchmarks/bench_per_call.py has checked and time
 
 Every launch of a process takes the plain path when: it runs in the interpreter, the environment does not set
 ``LESSONLIB_FAST_LAUNCH=1``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
-Triton's launch does not have the form above, that its specialization is not the one the key assumes, or that a
-probe kernel's cached launch wrote other values than its plain launch. One call takes it when: a launch hook is
-set (a profiler such as proton reads the launch metadata), the kernel has pre-run hooks, a global it read has
-changed (Triton raises), it is not a JITFunction (an autotuner), the grid is not a tuple, an argument is not a
-tensor, an int or a float, or a constexpr is passed positionally. Not watched: Triton settings that change the
-compile options mid-process (``knobs.runtime.debug``, instrumentation); set them before the first launch, or leave
-``LESSONLIB_FAST_LAUNCH`` unset. ``plain_launches()`` forces the plain path for a block (tests, benchmarks).
+Triton's launch does not have the form above, that its specialization is not the one the key assumes, that a launch
+hook was set, or that the probe kernel launched through :func:`launch` from the cache wrote other values than its
+plain launch. One call takes it when: a launch hook is set (a profiler such as proton reads the launch metadata),
+the kernel has pre-run hooks, a global it read has changed (Triton raises), it is not a JITFunction (an autotuner),
+the grid is not a tuple, an argument is not a tensor, an int (not a bool) or a float (not a numpy float), or a
+constexpr is passed positionally. Not watched: Triton settings that change the compile options mid-process
+(``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode``; in 3.9 also ``fpsan_homomorphic_casts`` and
+``add_stages_inspection_hook``), and a driver swapped by ``triton.runtime.driver.set_active`` after the first launch;
+set them before the first launch, or leave ``LESSONLIB_FAST_LAUNCH`` unset. ``plain_launches()`` forces the plain
+path for a block (tests, benchmarks).
 
 Python time before the driver call, measured on CPU with a stand-in driver
 (benchmarks/experiments/dispatch_overhead_cpu.py, Triton 3.9): swiglu's launch 8.5 us plain, 2.5 us cached;
@@ -55,8 +69,9 @@ import triton.language as tl
 from lessonlib import runtime
 
 ENV = "LESSONLIB_FAST_LAUNCH"
-_INT32, _INT64 = (-(2**31), 2**31 - 1), (-(2**63), 2**63 - 1)
-_compiled: dict = {}  # configuration key -> _Entry
+_INT32, _INT64, _UINT64_MAX = (-(2**31), 2**31 - 1), (-(2**63), 2**63 - 1), 2**64 - 1
+_compiled: dict = {}  # configuration key -> _Entry (at most _MAX_ENTRIES: past that, new configurations stay plain)
+_MAX_ENTRIES = 4096
 _forced_plain = [False]  # plain_launches() sets it
 
 
@@ -80,7 +95,11 @@ def configuration_key(kernel, device, args, meta):
     for a in args:
         if a.__class__ is int:
             c = int_class(a)
-            append(c if c is not None else _int_class(a))
+            if c is None:
+                c = _int_class(a)
+                if c is None:  # past 64 bits: Triton raises (OverflowError); a cached kernel would wrap it
+                    return None
+            append(c)
         elif isinstance(a, torch.Tensor):
             append(a.dtype)
             append(a.data_ptr() & 15 == 0)
@@ -94,8 +113,12 @@ def configuration_key(kernel, device, args, meta):
 _int_classes: dict[int, int] = {}  # int -> its class below, for the ints met first (sizes, strides)
 
 
-def _int_class(a: int) -> int:
-    """1 for 1 (Triton compiles it in as a constant); otherwise bits: a multiple of 16, fits in int32, in int64."""
+def _int_class(a: int) -> int | None:
+    """1 for 1 (Triton compiles it in as a constant); otherwise bits: a multiple of 16, fits in int32, in int64 (else
+    uint64). None outside [-2**63, 2**64): Triton refuses to specialize it, and 3.6's launcher would pass a uint64
+    parameter on without an overflow check (``PyArg_ParseTuple``'s "K")."""
+    if not _INT64[0] <= a <= _UINT64_MAX:
+        return None
     c = 1 if a == 1 else 8 | (a & 15 == 0) | (_INT32[0] <= a <= _INT32[1]) << 1 | (_INT64[0] <= a <= _INT64[1]) << 2
     if len(_int_classes) < 4096:
         _int_classes[a] = c
@@ -139,7 +162,8 @@ def _remember(key, kernel, compiled, args, meta) -> None:
         return
     tail = tuple(meta[p.name] if p.name in meta else p.default for p in rest)
     globals_read = tuple((name, value, where) for (name, _), (value, where) in kernel.used_global_vals.items())
-    _compiled[key] = _Entry(kernel, compiled, tail, globals_read)
+    if len(_compiled) < _MAX_ENTRIES:  # a meta value unequal to itself (a NaN) would add an entry per call
+        _compiled[key] = _Entry(kernel, compiled, tail, globals_read)
 
 
 def _hooks_idle(kernel) -> bool:
@@ -176,8 +200,6 @@ def works_here() -> bool:
     graph capture: the probe launches and syncs, which a capture forbids; until then launches are plain)."""
     if _decided:
         return _decided[0] is None
-    if _opted_in() and runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
-        return False
     return why_not() is None
 
 
@@ -189,8 +211,11 @@ _decided: list = []  # [None] or [the reason the plain path is taken], once deci
 
 
 def why_not() -> str | None:
-    """None when the cached path is used here; otherwise the reason every launch takes the plain path."""
+    """None when the cached path is used here; otherwise the reason every launch takes the plain path. Asked
+    during a CUDA graph capture before the decision, it answers so and decides nothing (the probe must not run)."""
     if not _decided:
+        if _opted_in() and runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
+            return "not decided yet: asked during a CUDA graph capture, where the probe cannot launch and sync"
         _decided.append(_decide())
     return _decided[0]
 
@@ -221,24 +246,28 @@ def _interface_problem() -> str | None:
 def specialization_samples(device) -> list:
     """Arguments around every boundary of Triton's specialization: ints at 1, multiples of 16 and the 32- and
     64-bit limits; tensors of two dtypes at every address offset mod 16; floats."""
-    ints = [v + d for v in (0, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16)
+    ints = [v + d for v in (0, 16, 2**31, -(2**31), 2**32, 2**63, -(2**63), 2**64 - 16, 2**64, -(2**64))
             for d in (-17, -16, -1, 0, 1, 15, 16)]
-    ints = [v for v in ints if -(2**63) <= v < 2**64]
     base = torch.empty(64, dtype=torch.float32, device=device)
     tensors = [base.view(dtype)[offset:] for dtype in (torch.float16, torch.float32) for offset in range(9)]
-    return ints + tensors + [0.0, 1.0, -2.5, 1e-6, 3e38, float("inf")]
+    return ints + tensors + [0.0, 1.0, -2.5, 1e-6, 3e38, 1e300, float("inf"), True, False, None]
 
 
 def specialization_problem(backend, device) -> str | None:
     """None when inputs with one key are specialized alike by this Triton (``native_specialize_impl``, the
-    function its binder calls, with ``backend``, the binder's), over :func:`specialization_samples` on ``device``;
-    otherwise the two inputs one key would wrongly share."""
+    function its binder calls, with ``backend``, the binder's), over :func:`specialization_samples` on ``device``,
+    and every input this Triton refuses to specialize has no key; otherwise the inputs one key would wrongly serve."""
     from triton._C.libtriton import native_specialize_impl
 
     seen = {}
     for a in specialization_samples(device):
         key = configuration_key(None, None, (a,), {})
-        spec = native_specialize_impl(backend, a, False, True, True)
+        if key is None:  # the plain path: Triton specializes it, or raises, on every call
+            continue
+        try:
+            spec = native_specialize_impl(backend, a, False, True, True)
+        except (OverflowError, TypeError) as error:
+            return f"triton {triton.__version__} refuses {a!r} ({error}), but one key would launch it"
         if seen.setdefault(key, (spec, a))[0] != spec:
             return (f"triton {triton.__version__} specializes {seen[key][1]!r} and {a!r} differently; "
                     "one key covers both")
@@ -253,15 +282,27 @@ def _probe_kernel(x_ptr, out_ptr, n, scale, BLOCK: tl.constexpr, SHIFT: tl.const
 
 
 def _probe_problem() -> str | None:
-    """One kernel launched plainly, then from the cache: the two outputs must be bit for bit the same."""
+    """The probe kernel launched plainly, then twice through :func:`launch` itself, as an op launches (the first call
+    remembers the configuration, the second launches from the cache; a constexpr given in meta, one by its default,
+    an option): the two outputs must be bit for bit the same."""
+    if not _hooks_idle(_probe_kernel):
+        return "a launch hook was set at the first launch: the probe could not take the cached path"
     x = torch.randn(1000, device=runtime.device())
     plain, cached = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
-    grid = (triton.cdiv(x.numel(), 256),)
-    _probe_kernel[grid](x, plain, x.numel(), 0.5, BLOCK=256)  # the plain path (launch() is not used here)
-    compiled = _probe_kernel[grid](x, cached, x.numel(), 0.5, BLOCK=256)
-    cached.fill_(float("nan"))
-    compiled.run(grid[0], 1, 1, _driver().get_current_stream(_driver().get_current_device()), compiled.function,
-                 compiled.packed_metadata, None, None, None, x, cached, x.numel(), 0.5, 256, 1)
+    grid, meta = (triton.cdiv(x.numel(), 256),), {"BLOCK": 256, "num_warps": 4}
+    _probe_kernel[grid](x, plain, x.numel(), 0.5, **meta)
+    args = (x, cached, x.numel(), 0.5)
+    forced_plain, _forced_plain[0] = _forced_plain[0], False
+    _decided.append(None)  # for the probe's own launches only: why_not() appends the real decision after it
+    try:
+        launch(_probe_kernel, grid, args, meta)
+        if configuration_key(_probe_kernel, _driver().get_current_device(), args, meta) not in _compiled:
+            return "the probe's configuration was not cached"
+        cached.fill_(float("nan"))
+        launch(_probe_kernel, grid, args, meta)
+    finally:
+        _decided.clear()
+        _forced_plain[0] = forced_plain
     if not torch.equal(plain, cached):
         return f"triton {triton.__version__}: the probe's cached launch wrote other values than its plain launch"
     return None

@@ -206,6 +206,76 @@ def test_every_change_triton_specializes_on_takes_the_plain_path(cached, change)
     assert _kinds(kernel) == ["plain", "plain", "cached"]
 
 
+class _KeyedCompiled(_RecordingCompiled):
+    """The stand-in compiled kernel Triton's stubbed compile returns for one of its cache keys: a launch records it."""
+
+    def __init__(self, key, launches):
+        super().__init__(launches)
+        self.key = key
+
+    def run(self, *launch):
+        self.calls.append(self.key)
+
+
+@pytest.fixture
+def triton_kernel(cached, monkeypatch):
+    """_launcher._probe_kernel (x_ptr, out_ptr, n, scale, BLOCK, SHIFT=1) as Triton's own JITFunction, its compile
+    stubbed: one stand-in compiled kernel per Triton cache key, and ``launches`` lists the key of each launch."""
+    monkeypatch.setattr(triton.runtime.driver, "_active", _StandInTarget())
+    kernel = triton.runtime.jit.JITFunction(_launcher._probe_kernel.fn)
+    kernel.launches, compiled = [], {}
+    monkeypatch.setattr(kernel, "_do_compile", lambda key, *a, **k: compiled.setdefault(
+        key, _KeyedCompiled(key, kernel.launches)))
+    return kernel
+
+
+def _launched_as_triton_would(kernel, args, meta):
+    """Launch through the cache, then through Triton's own ``kernel[grid]``: the two launched the kernel compiled
+    for one key, or both raised the same error."""
+    outcomes = []
+    for launch in (lambda: _launcher.launch(kernel, (1,), args, meta), lambda: kernel[(1,)](*args, **meta)):
+        before, error = len(kernel.launches), None
+        try:
+            launch()
+        except (OverflowError, TypeError) as raised:
+            error = type(raised)
+        outcomes.append((error, kernel.launches[before:]))
+    return outcomes[0] == outcomes[1] and len(outcomes[1][1]) == (error is None), outcomes
+
+
+_TENSOR = torch.empty(64)
+
+
+@pytest.mark.parametrize("first, then", [
+    ({"n": 2**63}, {"n": 2**64}), ({"n": 2**63 + 16}, {"n": 2**64 + 16}), ({"n": 2**63}, {"n": -(2**63) - 1}),
+    ({"n": 1}, {"n": True}), ({"scale": 0.5}, {"scale": True}), ({"SHIFT": 1}, {"SHIFT": True}),
+    ({"SHIFT": 1}, {"SHIFT": 1.0}), ({"SHIFT": 0}, {"SHIFT": False}), ({"BLOCK": 16}, {"BLOCK": 16.0}),
+    ({"n": 16}, {"n": torch.tensor(16).numpy()[()]}), ({"SHIFT": 2}, {}), ({"SHIFT": 0.0}, {"SHIFT": -0.0}),
+    ({"SHIFT": (1, 2)}, {"SHIFT": (1.0, 2)})])
+def test_a_cached_launch_runs_the_kernel_tritons_own_launch_would(triton_kernel, first, then):
+    """An int past 64 bits (Triton raises; a cached uint64 kernel would wrap it), a bool or numpy int, a constexpr
+    changed in a way Python's == cannot see (1, 1.0, True; 0.0, -0.0: Triton's own key cache cannot either), a
+    default: what the cache launches is what Triton's real binder picks, or both raise."""
+    call = {"n": 1000, "scale": 0.5, "BLOCK": 16}
+    for change in (first, then, then):
+        values = {**call, **change}
+        args, meta = (_TENSOR, _TENSOR, values.pop("n"), values.pop("scale")), values
+        same, outcomes = _launched_as_triton_would(triton_kernel, args, meta)
+        assert same, (change, outcomes)
+
+
+def test_a_cached_launch_runs_what_triton_would_in_any_order(triton_kernel):
+    """Ints around every boundary and floats, as n and scale, in a fresh random order (so which value of a key
+    fills the cache changes from run to run): every launch is the one Triton's own binder picks, or both raise."""
+    ints = [v for v in _launcher.specialization_samples("cpu") if isinstance(v, int)]
+    values = [("n", v) for v in ints] + [("scale", v) for v in (0.0, -2.5, 1e300, float("nan"), True)]
+    for i in torch.randperm(len(values)).tolist():
+        call = {"n": 1000, "scale": 0.5, values[i][0]: values[i][1]}
+        same, outcomes = _launched_as_triton_would(triton_kernel, (_TENSOR, _TENSOR, call["n"], call["scale"]),
+                                                   {"BLOCK": 16})
+        assert same, (values[i], outcomes)
+
+
 @pytest.mark.parametrize("reason", ["launch hook", "pre-run hook", "global changed", "plain_launches", "list grid",
                                     "None argument"])
 def test_a_cached_configuration_still_takes_the_plain_path_when(cached, monkeypatch, reason):
@@ -277,6 +347,53 @@ def test_off_means_no_cuda_call_even_where_a_gpu_is_pretended(monkeypatch):
     monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("torch.cuda was asked"))
     assert not _launcher.works_here()
+
+
+def test_why_not_asked_during_a_capture_decides_nothing(monkeypatch):
+    """why_not() is public (bench_per_call.py asks it): asked first inside a capture, it must not run the probe."""
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(_launcher, "_decide", lambda: pytest.fail("the probe ran during a capture"))
+    assert _launcher.why_not().startswith("not decided yet") and _launcher._decided == []
+
+
+def _probe_reference(x, out, n, scale, BLOCK, SHIFT=1):
+    """What _launcher._probe_kernel computes, in PyTorch."""
+    out[:n] = x[:n] * scale + SHIFT + torch.arange(n, dtype=x.dtype, device=x.device)
+
+
+class _ProbeKernel(_Kernel):
+    """_probe_kernel's JITFunction whose plain launch computes in PyTorch, and whose compiled launcher hands the
+    kernel's own arguments (after the nine launch arguments) to ``cached_launch``."""
+
+    def __init__(self, cached_launch):
+        super().__init__(_launcher._probe_kernel.fn)
+        self.compiled.run = lambda *launch: self.calls.append("cached") or cached_launch(*launch[9:])
+
+    def __getitem__(self, grid):
+        def plain(*args, **meta):
+            _probe_reference(*args, **{name: value for name, value in meta.items() if name != "num_warps"})
+            return self.compiled
+        return plain
+
+
+@pytest.mark.parametrize("launcher", ["right", "drops the default constexpr"])
+def test_the_probe_launches_through_launch_itself_and_compares(monkeypatch, launcher):
+    """The probe takes the path the ops take (launch(): key, cache, constexprs in signature order), even when asked
+    inside plain_launches(), leaves the decision to why_not(), and names a cached launch that computes otherwise."""
+    cached_launch = _probe_reference if launcher == "right" else lambda *args: _probe_reference(*args[:5], SHIFT=0)
+    kernel = _ProbeKernel(cached_launch)
+    monkeypatch.setattr(_launcher, "_probe_kernel", kernel)
+    monkeypatch.setattr(_launcher, "_compiled", {})
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_launcher, "_driver", lambda: _Driver())
+    with _launcher.plain_launches():
+        problem = _launcher._probe_problem()
+        assert _launcher._forced_plain == [True]
+    assert _launcher._decided == [] and kernel.calls.count("cached") == 1
+    assert [e.kernel for e in _launcher._compiled.values()] == [kernel]
+    assert (problem is None) == (launcher == "right"), problem
 
 
 @pytest.mark.parametrize("value", [None, "0", "yes"])
@@ -440,6 +557,63 @@ def test_repeat_calls_skip_tritons_binder(monkeypatch):
     for _ in range(3):
         ops.swiglu(gate, up)
     assert runs == []
+
+
+def _cached_swiglu_entry(gate, up):
+    """The cache entry of swiglu's configuration for these inputs, filled by two calls."""
+    ops.swiglu(gate, up), ops.swiglu(gate, up)
+    kernel = _swiglu_module._swiglu_kernel
+    entries = [e for key, e in _launcher._compiled.items() if e.kernel is kernel
+               and key == _launcher.configuration_key(kernel, torch.cuda.current_device(), *_swiglu_launch(gate, up))]
+    assert len(entries) == 1
+    return entries[0]
+
+
+def _swiglu_launch(gate, up):
+    """swiglu_forward's launch arguments and meta for 2-D inputs (the output's alignment: a fresh allocation's)."""
+    n = gate.shape[-1]
+    return ((gate, up, torch.empty_like(gate), n, gate.stride(0), up.stride(0), n), _swiglu_module.config(n))
+
+
+@gpu_only
+def test_the_cached_launch_uses_the_current_stream(monkeypatch):
+    """Inside torch.cuda.stream(s), the cached launch is given s, as Triton's own launch would be."""
+    gate, up = randn(3, 1000), randn(3, 1000)
+    entry, streams = _cached_swiglu_entry(gate, up), []
+    real_run = entry.run
+    monkeypatch.setattr(entry, "run", lambda *launch: streams.append(launch[3]) or real_run(*launch))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.swiglu(gate, up)
+    ops.swiglu(gate, up)
+    assert streams == [side.cuda_stream, torch.cuda.current_stream().cuda_stream]
+
+
+@gpu_only
+def test_the_cached_launch_is_captured_and_replayed_by_a_cuda_graph(monkeypatch):
+    """A configuration cached before a capture is launched from the cache inside it (the engine's decode graphs):
+    the graph replays it on new inputs like the plain launch computes them."""
+    gate, up = randn(3, 1000), randn(3, 1000)
+    entry, launches = _cached_swiglu_entry(gate, up), []
+    real_run = entry.run
+    monkeypatch.setattr(entry, "run", lambda *launch: launches.append(1) or real_run(*launch))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs advises
+        ops.swiglu(gate, up)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.swiglu(gate, up)
+    assert launches == [1, 1]  # the warm-up's and the capture's: both from the cache
+    new_gate, new_up = randn(3, 1000), randn(3, 1000)
+    gate.copy_(new_gate), up.copy_(new_up)
+    out.fill_(float("nan"))
+    graph.replay()
+    with _launcher.plain_launches():
+        want = ops.swiglu(new_gate, new_up)
+    assert torch.equal(out, want)
 
 
 def test_this_tritons_launch_is_the_one_the_cache_repeats():
