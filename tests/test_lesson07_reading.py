@@ -1,6 +1,6 @@
-"""What lesson 07's section 10 and 11 cells print and draw from a run: the decodes' gaps, the serving targets in
-words, the chunked-prefill timeline's labels inside its axes. No engine runs here: hand-made records, the
-committed CPU run."""
+"""What lesson 07's section 10 and 11 cells print and draw from a run (the decodes' gaps, the serving targets in
+words, the chunked-prefill timeline's labels inside its axes), and exercise 1's checker naming each planted mistake.
+No engine runs here: hand-made records, the committed CPU run, the notebook's own solution."""
 
 import random
 
@@ -81,3 +81,19 @@ def test_the_timeline_labels_stay_inside_their_axes():
     for text in steps_ax.texts:
         extent = text.get_window_extent()
         assert box.x0 <= extent.x0 and extent.x1 <= box.x1, (text.get_text(), extent, box)
+
+
+@pytest.mark.parametrize("old, new, named", [
+    (") + cached_idle_blocks", ")", "a cached block in the free list still leaves the free list"),  # idle as free
+    ("take_from_free_list = (prompt_blocks - cached_idle_blocks - cached_busy_blocks) + cached_idle_blocks",
+     "take_from_free_list = prompt_blocks", "blocks another sequence holds are shared"),  # the prefix cache ignored
+    ("batched_tokens == 0 or ", "", "a lone prompt always fits the token budget"),
+    ("running < max_num_seqs and ", "", "the batch is full"),
+])
+def test_the_admission_exercise_names_each_planted_mistake(old, new, named):
+    from lessonlib.exercises import ExerciseFailed, check_can_admit
+    from tests.test_kernel_exercises import define, mutated, solution_source
+
+    source = solution_source("07_serving_engine.ipynb", "my_can_admit")
+    with pytest.raises(ExerciseFailed, match=named):
+        check_can_admit(define(mutated(source, old, new), "my_can_admit"))
