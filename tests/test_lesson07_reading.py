@@ -97,3 +97,16 @@ def test_the_admission_exercise_names_each_planted_mistake(old, new, named):
     source = solution_source("07_serving_engine.ipynb", "my_can_admit")
     with pytest.raises(ExerciseFailed, match=named):
         check_can_admit(define(mutated(source, old, new), "my_can_admit"))
+
+
+def test_the_latency_panels_are_log_scaled_and_the_ttft_panel_draws_the_knee_limit():
+    run = serving_targets_run(4.0, 8.0, {Impl.SERVER_CHUNKED_PREFILL: 990.0, Impl.SERVER_NO_CHUNKED_PREFILL: 1000.0})
+    for record in run.records:  # the panels draw p50 too
+        for key in ("ttft_ms", "itl_ms"):
+            record[key]["p50"] = record[key]["p99"] / 2
+        record["e2e_ms"] = {"p50": 500.0, "p99": 900.0}
+    fig = plots.serving_latency(run)
+    ttft, itl, e2e, tokens = fig.axes[:4]
+    assert [ax.get_yscale() for ax in (ttft, itl, e2e, tokens)] == ["log", "log", "log", "linear"]
+    knee_ms = 1e3 * run.notes["targets"]["ttft_knee_s"]
+    assert any(list(line.get_ydata()) == [knee_ms, knee_ms] for line in ttft.lines), "no knee line on the TTFT panel"

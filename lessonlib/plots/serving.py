@@ -35,15 +35,22 @@ def serving_latency(results: Results, workload: str = "random", footnote: str | 
             ax.plot(rates, [r[key]["p99"] for r in measured], "^--", color=color, label=f"{impl} p99")
         if measured or failed:
             servers.append(Line2D([], [], color=color, marker="o", label=impl if measured else f"{impl}: {failed[:60]}"))
-    for ax, (_, label) in zip(axes, PANELS):
+    for ax, (key, label) in zip(axes, PANELS):
         ax.set_xscale("log")
+        if key != "output_tokens_per_s":  # past a knee the p99s grow by orders of magnitude: low rates stay readable
+            ax.set_yscale("log")
+            label = label.replace("(ms)", "(ms, log scale)")
         plain_log_ticks(ax)
         ax.set_xlabel("request rate (requests/s, Poisson)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     styles = [Line2D([], [], color="grey", marker="o", label="p50 (solid)"),
               Line2D([], [], color="grey", marker="^", linestyle="--", label="p99 (dashed)")]
-    fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + 2, fontsize=8,
+    knee_s = results.notes.get("targets", {}).get("ttft_knee_s")
+    if knee_s is not None:  # the limit that defines each server's knee (serving_targets prints the verdicts)
+        axes[0].axhline(1e3 * knee_s, color="black", linestyle=":", linewidth=1)
+        styles.append(Line2D([], [], color="black", linestyle=":", label=f"knee: p99 TTFT {knee_s:g} s"))
+    fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + len(styles), fontsize=8,
                bbox_to_anchor=(0.5, 0.07), frameon=False)
     fig.suptitle(f"servers under load, {workload} prompts", fontsize=10)
     return finish(fig, footnote if footnote is not None else results.provenance(), bottom=0.24)
