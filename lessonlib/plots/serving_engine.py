@@ -26,7 +26,8 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
     blocks.axhline(num_blocks, color="black", lw=0.9, ls="--", label=f"the pool: {num_blocks} blocks")
     blocks.set_ylabel("KV blocks")
     last = records[-1]
-    blocks.set_title(f"{last.preemptions} preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache")
+    blocks.set_title(f"KV blocks held as requests arrive, paged against reserved up front\n{last.preemptions} "
+                     f"preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache", fontsize=10)
     queue.step(steps, [r.running for r in records], where="post", color="tab:green", lw=1.5, label="running")
     queue.fill_between(steps, [r.waiting for r in records], step="post", color="tab:red", alpha=0.35, lw=0,
                        label="waiting")
