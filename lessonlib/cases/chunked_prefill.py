@@ -100,8 +100,9 @@ def decode_gaps(steps: list[dict]) -> list[float]:
 
 
 def itl_target(results: Results) -> dict | None:
-    """The course's chunked-prefill latency target (issue 26), from a run: the decodes' p99 gap chunked over prefill-first's, and
-    whether it is at most ITL_P99_TARGET; None without both records (or a run from before p99 was recorded)."""
+    """The course's chunked-prefill latency target (issue 26), from a run: the decodes' p99 gap chunked over
+    prefill-first's, and whether it is at most ITL_P99_TARGET; None without both records (or a run from before p99
+    was recorded)."""
     got = {r["impl"]: r for r in results.select(op=Op.STEP_TIMELINE)}
     if set(got) != set(MODES) or any("itl_p99_s" not in r for r in got.values()):
         return None
