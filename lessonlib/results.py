@@ -275,12 +275,15 @@ class Ceilings:
         return self.matmul_tflops * 1e12 / (self.bandwidth_gbs * 1e9)
 
 
+NO_GPU = "none (CPU)"  # environment()'s "gpu" where there is none; provenance() says "a CPU (no GPU)"
+
+
 def environment() -> dict:
     """What a recorded run must name: the GPU, the versions, the date."""
     import triton
 
     return {
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none (CPU)",
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else NO_GPU,
         "torch": torch.__version__,
         "triton": triton.__version__,
         "cuda": torch.version.cuda,
@@ -319,7 +322,8 @@ class Results:
         the file the numbers are read from, so a committed file is named by its path in the repository and the
         command's ``--out`` points there (the rest of the command is the one that ran)."""
         env = self.environment
-        head = f"recorded on {env['gpu']}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}"
+        where = "a CPU (no GPU)" if env["gpu"] == NO_GPU else env["gpu"]
+        head = f"recorded on {where}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}"
         if self.path is None:
             return f"{head}; command: {self.command}"
         path = Path(self.path).resolve()

@@ -129,7 +129,11 @@ def test_the_budget_split_exercise_passes_its_solution_and_names_planted_mistake
         check_prompt_chunks(define(strip_solutions(source), "my_prompt_chunks"))
     for (old, new), named in [(("max_num_batched_tokens - num_decodes", "max_num_batched_tokens"), "decodes take one"),
                               (("min(left, budget)", "budget"), "never takes more than its tokens left"),
-                              (("        budget -= chunks[-1]\n", ""), "share one budget")]:
+                              (("        budget -= chunks[-1]\n", ""), "share one budget"),
+                              (("    for left in prompt_tokens_left:\n",  # stops once the budget is spent
+                                "    for left in prompt_tokens_left:\n        if budget <= 0:\n            break\n"),
+                               "one chunk per prompt, in order, 0 for each prompt the budget does not reach"),
+                              (("    return chunks", "    return torch.tensor(chunks)"), "return a list of ints")]:
         with pytest.raises(ExerciseFailed, match=named):
             check_prompt_chunks(define(mutated(source, old, new), "my_prompt_chunks"))
 

@@ -30,7 +30,9 @@ def test_a_committed_run_names_its_repository_file_and_the_command_that_rewrites
     recorded = results.load(name)
     text = recorded.provenance()
     file = f"lessonlib/results/{name}.json"
-    assert text.startswith(f"recorded on {recorded.environment['gpu']}") and f"file: {file};" in text, text
+    gpu = recorded.environment["gpu"]
+    where = "a CPU (no GPU)" if gpu == results.NO_GPU else gpu  # a CPU run is not "recorded on none (CPU)"
+    assert text.startswith(f"recorded on {where}, torch") and f"file: {file};" in text, text
     assert f"--out {file}" in text and "/root/" not in text, text  # not where the recording machine wrote it
     script = recorded.command.split()[1]
     assert script.startswith("benchmarks/bench_") and script in text, text  # the rest of the command is the run's

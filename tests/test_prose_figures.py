@@ -88,11 +88,11 @@ def test_a_figure_rounds_to_its_last_printed_digit():
 
 
 def test_no_lesson_talks_of_project_plumbing_or_an_unnamed_seed():
+    """In markdown and in code (a comment or a printed line is read too): a student has no issue tracker."""
     plumbing = re.compile(r"\bissue \d+|\bthe seed\b|\bseed texts?\b|\bthe seeds?'s?\b", re.IGNORECASE)
     for name in NOTEBOOKS:
         for index, cell in enumerate(prose.notebook(name).cells):
-            if cell.cell_type == "markdown":
-                assert not plumbing.search(cell.source), (name, index, plumbing.search(cell.source).group(0))
+            assert not plumbing.search(cell.source), (name, index, plumbing.search(cell.source).group(0))
 
 
 def test_the_swiglu_sweep_comment_quotes_the_recorded_sweep():

@@ -32,7 +32,7 @@ def test_every_benchmark_has_its_committed_file():
 @pytest.mark.parametrize("name", COMMITTED + CPU_RECORDED)
 def test_committed_results_load_with_declared_labels(name):
     recorded = results.load(name)
-    where = "none (CPU)" if name in CPU_RECORDED else "NVIDIA"
+    where = "a CPU (no GPU)" if name in CPU_RECORDED else "NVIDIA"
     assert recorded.records and recorded.provenance().startswith(f"recorded on {where}")
 
 

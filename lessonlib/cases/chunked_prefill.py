@@ -91,9 +91,18 @@ def latencies(steps: list[dict]) -> dict:
     return {"ttft_s": ttft, "itl_median_s": statistics.median(gaps), "itl_p99_s": p99, "itl_max_s": max(gaps)}
 
 
+def decode_gaps(steps: list[dict]) -> list[float]:
+    """The gaps between the steps that gave the decodes a token, in seconds, the first from the prompt's arrival:
+    what the running decodes waited, one gap per token (they all get their tokens from the same steps)."""
+    decodes = len(steps[0]["tokens"]) - 1
+    arrivals = [0.0] + [s["end"] for s in steps if any(s["tokens"][:decodes])]
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
 def itl_target(results: Results) -> dict | None:
-    """Issue 26's chunked-prefill latency target, from a run: the decodes' p99 gap chunked over prefill-first's, and
-    whether it is at most ITL_P99_TARGET; None without both records (or a run from before p99 was recorded)."""
+    """The course's chunked-prefill latency target (issue 26), from a run: the decodes' p99 gap chunked over
+    prefill-first's, and whether it is at most ITL_P99_TARGET; None without both records (or a run from before p99
+    was recorded)."""
     got = {r["impl"]: r for r in results.select(op=Op.STEP_TIMELINE)}
     if set(got) != set(MODES) or any("itl_p99_s" not in r for r in got.values()):
         return None

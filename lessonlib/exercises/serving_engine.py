@@ -83,6 +83,7 @@ def check_prompt_chunks(fn) -> None:
     chunked-prefill step (``lessonlib.engine.prompt_chunks``): each running decode takes one token first, then each
     prompt in order takes as many of its tokens left as the budget still holds. Checked on the cases that tell the
     likely mistakes apart, then on random steps."""
+    import numbers
     import random
 
     from lessonlib.engine import prompt_chunks
@@ -108,7 +109,14 @@ def check_prompt_chunks(fn) -> None:
             raise ExerciseFailed(f"prompt_chunks: not implemented yet ({str(e) or 'NotImplementedError'}). "
                                  "Fill in the stub.") from None
         want = prompt_chunks(decodes, left, budget)
-        if not isinstance(got, (list, tuple)) or [int(c) for c in got] != want:
-            raise ExerciseFailed(f"prompt_chunks({decodes}, {left}, {budget}) returned {got!r}, expected {want}: "
-                                 f"{hint}")
+        call = f"prompt_chunks({decodes}, {left}, {budget})"
+        if not isinstance(got, (list, tuple)) or not all(isinstance(c, numbers.Integral) for c in got):
+            raise ExerciseFailed(f"{call} returned {got!r}, expected the list {want}: return a list of ints, one per "
+                                 "prompt")
+        if len(got) != len(want):
+            raise ExerciseFailed(f"{call} returned {len(got)} chunks for {len(left)} prompts ({list(got)}, expected "
+                                 f"{want}): one chunk per prompt, in order, 0 for each prompt the budget does not "
+                                 "reach")
+        if list(got) != want:
+            raise ExerciseFailed(f"{call} returned {list(got)}, expected {want}: {hint}")
     print(f"✓ prompt_chunks splits the budget as the engine does on {len(hints)} steps")

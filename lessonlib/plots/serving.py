@@ -35,15 +35,63 @@ def serving_latency(results: Results, workload: str = "random", footnote: str | 
             ax.plot(rates, [r[key]["p99"] for r in measured], "^--", color=color, label=f"{impl} p99")
         if measured or failed:
             servers.append(Line2D([], [], color=color, marker="o", label=impl if measured else f"{impl}: {failed[:60]}"))
-    for ax, (_, label) in zip(axes, PANELS):
+    for ax, (key, label) in zip(axes, PANELS):
         ax.set_xscale("log")
+        if key != "output_tokens_per_s":  # past a knee the p99s grow by orders of magnitude: low rates stay readable
+            ax.set_yscale("log")
+            label = label.replace("(ms)", "(ms, log scale)")
         plain_log_ticks(ax)
         ax.set_xlabel("request rate (requests/s, Poisson)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     styles = [Line2D([], [], color="grey", marker="o", label="p50 (solid)"),
               Line2D([], [], color="grey", marker="^", linestyle="--", label="p99 (dashed)")]
-    fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + 2, fontsize=8,
+    knee_s = results.notes.get("targets", {}).get("ttft_knee_s")
+    if knee_s is not None:  # the limit that defines each server's knee (serving_targets prints the verdicts)
+        axes[0].axhline(1e3 * knee_s, color="black", linestyle=":", linewidth=1)
+        styles.append(Line2D([], [], color="black", linestyle=":", label=f"knee: p99 TTFT {knee_s:g} s"))
+    fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + len(styles), fontsize=8,
                bbox_to_anchor=(0.5, 0.07), frameon=False)
     fig.suptitle(f"servers under load, {workload} prompts", fontsize=10)
     return finish(fig, footnote if footnote is not None else results.provenance(), bottom=0.24)
+
+
+def serving_targets(results: Results) -> str:
+    """The run's verdicts on the course's serving targets (``notes["targets"]``, computed by bench_serving.py from
+    its random-workload records), each with its threshold, in words: a line per verdict."""
+    notes = results.notes["targets"]
+    goal = notes["targets"]
+    ran = {r["impl"] for r in results.select(op=Op.SERVING) if r["shape"].get("workload") == "random"
+           and "error" not in r}
+    lines = [f"each server's knee, the highest request rate whose p99 time to first token stays under "
+             f"{notes['ttft_knee_s']:g} s:"]
+    lines += [f"  {server:42s} {_rate(rate) if server in ran else 'not measured (its error: in the figure)'}"
+              for server, rate in notes["knee_rate"].items()]
+    for server in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
+        verdict = notes[server]
+        p99 = verdict.get("p99_over_peer_at_peer_knee", {})
+        lines += [f"{server}, against transformers' server:",
+                  f"  knee {_times(verdict['knee_rate_over_peer'], PEER)} (target: at least "
+                  f"{goal['knee_rate_over_peer']:g}x): {_met(verdict['met_knee'])}",
+                  f"  at transformers' knee rate, p99 TTFT {_times(p99.get('ttft_ms'), PEER)}, p99 ITL "
+                  f"{_times(p99.get('itl_ms'), PEER)} (target: at most "
+                  f"{goal['latency_over_peer_at_its_knee']:g}x each): {_met(verdict['met_latency_at_peer_knee'])}"]
+    lines.append(f"output tokens/s at saturation, chunked prefill over prefill-first: "
+                 f"{_times(notes['saturation_chunked_over_prefill_first'])} (target: at least "
+                 f"{goal['saturation_chunked_over_prefill_first']:g}x): {_met(notes['met_saturation'])}")
+    return "\n".join(lines)
+
+
+def _rate(rate: float | None) -> str:
+    return "none: even the lowest rate is past it" if rate is None else f"{rate:g} requests/s"
+
+
+PEER = " transformers'"  # what a ratio of the targets is taken over
+
+
+def _times(ratio: float | None, of: str = "") -> str:
+    return "not measured" if ratio is None else f"{ratio:.2f}x{of}"
+
+
+def _met(met: bool | None) -> str:
+    return "not measured" if met is None else "met" if met else "missed"

@@ -26,7 +26,8 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
     blocks.axhline(num_blocks, color="black", lw=0.9, ls="--", label=f"the pool: {num_blocks} blocks")
     blocks.set_ylabel("KV blocks")
     last = records[-1]
-    blocks.set_title(f"{last.preemptions} preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache")
+    blocks.set_title(f"KV blocks held as requests arrive, paged against reserved up front\n{last.preemptions} "
+                     f"preemptions, {last.cached_tokens:,} prompt tokens from the prefix cache", fontsize=10)
     queue.step(steps, [r.running for r in records], where="post", color="tab:green", lw=1.5, label="running")
     queue.fill_between(steps, [r.waiting for r in records], step="post", color="tab:red", alpha=0.35, lw=0,
                        label="waiting")
@@ -255,29 +256,31 @@ def chunked_prefill_timeline(results: Results, footnote: str | None = None):
     on a time line from the prompt's arrival, a box per step, green when the decodes got a token from it, grey when
     they waited, a star at the prompt's first token. Bottom: the decodes' inter-token gaps, each drawn at the token
     that ends it. ``footnote``: the provenance (default: the results file's)."""
+    from lessonlib.cases.chunked_prefill import decode_gaps
+
     rows = {r["impl"]: r for r in results.select(op=Op.STEP_TIMELINE)}
     modes = [m for m in (Impl.PREFILL_FIRST, Impl.CHUNKED_PREFILL) if m in rows]
     fig, (steps_ax, gaps_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(1, 1.4))
+    end = max(s["end"] for mode in modes for s in rows[mode]["steps"])
     for y, mode in enumerate(reversed(modes)):
         rec = rows[mode]
         boxes = [(s["end"] - s["seconds"], s["seconds"]) for s in rec["steps"]]
         colours = ["#2ca02c" if any(s["tokens"][:-1]) else "#bbbbbb" for s in rec["steps"]]
         steps_ax.broken_barh(boxes, (y - 0.35, 0.7), facecolors=colours, edgecolors="white", linewidth=1.5)
         steps_ax.plot(rec["ttft_s"], y + 0.42, marker="*", markersize=13, color=MODE_COLORS[mode], clip_on=False)
-        steps_ax.text(rec["ttft_s"], y + 0.42, f"  first token of the long prompt: {rec['ttft_s']:.2f} s",
-                      va="center", fontsize=8)
+        label, left = f"first token of the long prompt: {rec['ttft_s']:.2f} s", rec["ttft_s"] > 0.6 * end
+        steps_ax.text(rec["ttft_s"], y + 0.42, f"{label}  " if left else f"  {label}", ha="right" if left else "left",
+                      va="center", fontsize=8)  # left of the star near the right edge: inside the axes
     steps_ax.set_yticks(range(len(modes)), [m.split(" (")[0] for m in reversed(modes)])
     steps_ax.set_ylim(-0.6, len(modes) - 0.2)
     steps_ax.set_title("engine steps after the long prompt arrives (green: the decodes got a token; grey: they "
                        "waited)", fontsize=9)
     top = 0.0
     for mode in modes:
-        rec = rows[mode]
-        decodes = len(rec["steps"][0]["tokens"]) - 1
-        arrivals = [0.0] + [s["end"] for s in rec["steps"] if any(s["tokens"][:decodes])]
-        gaps = [1e3 * (b - a) for a, b in zip(arrivals, arrivals[1:])]
-        gaps_ax.plot(arrivals[1:], gaps, marker="o", color=MODE_COLORS[mode],
-                     label=f"{mode}: longest gap {max(gaps):.0f} ms")
+        steps = rows[mode]["steps"]
+        gaps = [1e3 * gap for gap in decode_gaps(steps)]
+        ends = [s["end"] for s in steps if any(s["tokens"][:-1])]  # each gap drawn at the token that ends it
+        gaps_ax.plot(ends, gaps, marker="o", color=MODE_COLORS[mode], label=f"{mode}: longest gap {max(gaps):.0f} ms")
         top = max(top, *gaps)
     gaps_ax.set_ylim(0, 1.45 * top)  # room for the legend above the points
     gaps_ax.set_xlim(left=0)
