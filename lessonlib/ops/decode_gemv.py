@@ -46,7 +46,7 @@ from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wai
                                    pdl_options, refuse_gradient)
 from lessonlib.ops.gemv import MAX_ROWS
 from lessonlib.ops.rope_store_kv import check_heads_and_caches
-from lessonlib.ops.store_kv import check_slots
+from lessonlib.ops.store_kv import check_slot_values, check_slots
 
 STORE, SWIGLU, RESIDUAL, ROPE_KV = 0, 1, 2, 3  # the epilogues: plain store, silu(gate) * up, stream += y, q/k/v
 
@@ -244,6 +244,9 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if residual is not None:
         if tuple(residual.shape) != (m, n):
             raise ValueError(f"{op}: residual must be (M, N) = ({m}, {n}), got {tuple(residual.shape)}")
+        if m > 1 and residual.stride(0) < n:  # an expanded row, say: two programs would add into one element
+            raise ValueError(f"{op}: residual's rows overlap (row stride {residual.stride(0)}, N={n}); it is "
+                             "updated in place, each row its own")
         if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
             raise ValueError(f"{op}: residual shares memory with x; the kernel reads x whole while it writes residual")
         y, epilogue, n_out = residual, RESIDUAL, n
@@ -269,14 +272,15 @@ def _launch(x, weight, bias, norm_weight, eps, out, stride_om, epilogue, n_out, 
 def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *, num_heads: int,
-                             num_kv_heads: int, eps: float = 1e-6) -> torch.Tensor:
+                             num_kv_heads: int, eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
     """The qkv projection with the RMSNorm prologue and ``rope_store_kv`` as its epilogue, one launch, like
     :func:`lessonlib.reference.decode_qkv_rope_store_kv`: ``qkv = decode_gemv(x, weight, bias, norm_weight=...)``,
     then q rotated (returned, (M, H, D)), k rotated into k_cache and v copied into v_cache at ``slots``.
 
     weight: ((H + 2 Hkv) D, K), q's rows then k's then v's; cos, sin: (M, D); caches (num_blocks, block_size, Hkv,
-    D) contiguous; slots (M,) integer, distinct and in range: not checked (a host sync), the engine's are. A
-    program owns pairs of columns (i, i + D/2) of one head, the two halves rotate-half mixes. Full rotary only;
+    D) contiguous; slots (M,) integer, distinct, each below num_blocks * block_size. ``validate=False`` skips the
+    check of the slots' values (a device sync and a sort: never under CUDA-graph capture), as ``rope_store_kv``'s
+    does: only for trusted slots, such as the engine's. A program owns pairs of columns (i, i + D/2) of one head, the two halves rotate-half mixes. Full rotary only;
     Qwen3's q/k norm (between the product and RoPE) is not here: the engine keeps its unfused path for it.
     """
     op = "decode_qkv_rope_store_kv"
@@ -290,6 +294,8 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         if tuple(table.shape) != (m, head_dim):
             raise ValueError(f"{op}: {name} must be (M, head_dim) = ({m}, {head_dim}), got {tuple(table.shape)}")
     check_slots(op, slots, m, x.device)
+    if validate and m:  # reads slots on the host: a sync
+        check_slot_values(op, slots, k_cache.shape[0] * k_cache.shape[1])
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     if m == 0:
         return q
