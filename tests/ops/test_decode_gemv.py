@@ -3,7 +3,10 @@ SwiGLU, residual-add and RoPE + K/V-write epilogues, odd shapes (K not a multipl
 the program's columns), outputs and caches poisoned, the errors raised before any launch, and planted bugs that the
 checks must catch."""
 
+import ast
 import importlib
+import inspect
+import textwrap
 
 import pytest
 import torch
@@ -276,6 +279,21 @@ def test_the_fused_layer_rounds_where_the_unfused_engine_rounds(dtype):
                                  ("v_cache", v_cache, unfused_caches[1]), ("SwiGLU", fused_act, act),
                                  ("stream", fused_stream, stream_after)):
         assert torch.equal(fused.nan_to_num(7.0), unfused.nan_to_num(7.0)), name
+
+
+def test_before_its_wait_the_kernel_reads_only_weights_and_writes_nothing():
+    """PDL's rule (ops._common.pdl), read off the kernel's source, since neither the interpreter (PDL off) nor a GPU
+    run (a race shows only sometimes) can show it broken: the statements before ``gdc_wait`` name no pointer but
+    the weights', store nothing and call no helper that could (x, the stream, the bias, cos, sin and the slots are
+    the previous kernels' outputs, or may be in a graph replayed with new inputs)."""
+    body = ast.parse(textwrap.dedent(inspect.getsource(module._decode_gemv_kernel.fn))).body[0].body
+    wait = next(i for i, statement in enumerate(body) if "gdc_wait()" in ast.unparse(statement))
+    before = [node for statement in body[:wait] for node in ast.walk(statement)]
+    pointers = {n.id for n in before if isinstance(n, ast.Name) and n.id.endswith("_ptr")}
+    calls = {ast.unparse(n.func) for n in before if isinstance(n, ast.Call)}
+    assert pointers == {"w_ptr"}, pointers
+    assert "tl.load" in calls and not [c for c in calls if not c.startswith("tl.") and not c.endswith(".to")], calls
+    assert not [c for c in calls if "store" in c or "atomic" in c], calls
 
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
