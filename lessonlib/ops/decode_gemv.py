@@ -42,8 +42,8 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wait, launch, next_power_of_2,
-                                   pdl_options, refuse_gradient)
+from lessonlib.ops._common import (cdiv, check_tensors, gdc_launch_dependents, gdc_wait, launch,
+                                   next_power_of_2, pdl_options, refuse_gradient)
 from lessonlib.ops.gemv import MAX_ROWS
 from lessonlib.ops.rope_store_kv import check_heads_and_caches
 from lessonlib.ops.store_kv import check_slot_values, check_slots
@@ -254,7 +254,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         swiglu = activation == "swiglu"
         n_out = n // 2 if swiglu else n
         y, epilogue = torch.empty(m, n_out, dtype=x.dtype, device=x.device), SWIGLU if swiglu else STORE
-    if m == 0:
+    if m == 0 or n == 0:  # nothing to compute (and no program to launch: a grid of zero)
         return y
     _launch(x, weight, bias, norm_weight, eps, y, y.stride(0), epilogue, n_out, (y,) * 5, (0, 0, 0, 0, 0))
     return y
@@ -262,7 +262,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _launch(x, weight, bias, norm_weight, eps, out, stride_om, epilogue, n_out, rope_args, rope_ints):
     meta = config(n_out, x.shape[1], epilogue)
-    launch(_decode_gemv_kernel, (triton.cdiv(n_out, meta["BLOCK_N"]), x.shape[0]),
+    launch(_decode_gemv_kernel, (cdiv(n_out, meta["BLOCK_N"]), x.shape[0]),
            x, norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
            *rope_args, n_out, x.shape[1], x.stride(0), weight.stride(0), stride_om, *rope_ints[:2], float(eps),
            *rope_ints[2:], NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,

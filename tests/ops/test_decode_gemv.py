@@ -187,6 +187,14 @@ def test_decode_gemv_rejects_bad_input(call, error, message):
         call()
 
 
+@pytest.mark.parametrize("activation, residual", [(None, False), ("swiglu", False), (None, True)])
+def test_decode_gemv_with_no_outputs_returns_an_empty_result(activation, residual):
+    """N = 0 (say, a layer pruned to nothing): an empty (M, 0) result, not a grid of zero programs."""
+    stream = randn(2, 0) if residual else None
+    out = ops.decode_gemv(randn(2, 8), randn(0, 8), activation=activation, residual=stream)
+    assert out.shape == (2, 0) and (out is stream or not residual)
+
+
 def test_decode_gemv_refuses_a_residual_that_is_its_input_and_leaves_it_untouched():
     stream = randn(1, 8)
     before = stream.clone()
