@@ -200,6 +200,29 @@ def config(n_out: int, k: int, epilogue: int) -> dict:
     return {"BLOCK_N": min(next_power_of_2(n_out), 256), "BLOCK_K": min(next_power_of_2(k), 256), "num_warps": 4}
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """t's first byte and one past its last."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _refuse_overlap(op: str, name: str, written: torch.Tensor, **read: torch.Tensor) -> None:
+    """The kernel writes ``written`` while other programs read each of ``read`` (whole, or written elsewhere): bytes
+    in common would be a race, whatever the order. Views of one allocation that do not overlap pass (a k and a v
+    cache side by side, say). A few microseconds of host time: the engine captures these calls in a graph."""
+    if not written.numel():
+        return
+    w0, w1 = _span(written)
+    for other, t in read.items():
+        if t.numel():
+            r0, r1 = _span(t)
+            if w0 < r1 and r0 < w1:
+                raise ValueError(f"{op}: {name} overlaps {other} in memory; the kernel writes {name} while it "
+                                 f"reads {other}: pass separate tensors")
+
+
 def _check(op, x, weight, bias, norm_weight, eps, **more):
     """What every launcher checks, before any launch."""
     tensors = {"x": x, "weight": weight, **({"bias": bias} if bias is not None else {}),
@@ -247,8 +270,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         if m > 1 and residual.stride(0) < n:  # an expanded row, say: two programs would add into one element
             raise ValueError(f"{op}: residual's rows overlap (row stride {residual.stride(0)}, N={n}); it is "
                              "updated in place, each row its own")
-        if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            raise ValueError(f"{op}: residual shares memory with x; the kernel reads x whole while it writes residual")
+        _refuse_overlap(op, "residual", residual, x=x)
         y, epilogue, n_out = residual, RESIDUAL, n
     else:
         swiglu = activation == "swiglu"
@@ -294,6 +316,8 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         if tuple(table.shape) != (m, head_dim):
             raise ValueError(f"{op}: {name} must be (M, head_dim) = ({m}, {head_dim}), got {tuple(table.shape)}")
     check_slots(op, slots, m, x.device)
+    _refuse_overlap(op, "k_cache", k_cache, v_cache=v_cache, x=x)
+    _refuse_overlap(op, "v_cache", v_cache, x=x)
     if validate and m:  # reads slots on the host: a sync
         check_slot_values(op, slots, k_cache.shape[0] * k_cache.shape[1])
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)

@@ -195,12 +195,40 @@ def test_decode_gemv_with_no_outputs_returns_an_empty_result(activation, residua
     assert out.shape == (2, 0) and (out is stream or not residual)
 
 
-def test_decode_gemv_refuses_a_residual_that_is_its_input_and_leaves_it_untouched():
-    stream = randn(1, 8)
-    before = stream.clone()
-    with pytest.raises(ValueError, match="shares memory"):
-        ops.decode_gemv(stream, randn(8, 8), residual=stream)
-    assert torch.equal(stream, before)
+@pytest.mark.parametrize("views", [lambda buf: (buf[:, :8], buf[:, :8]), lambda buf: (buf[:, :8], buf[:, 4:12])],
+                         ids=["the same tensor", "overlapping columns"])
+def test_decode_gemv_refuses_a_residual_that_overlaps_its_input_and_leaves_it_untouched(views):
+    buf = randn(1, 16)
+    x, stream = views(buf)
+    before = buf.clone()
+    with pytest.raises(ValueError, match="residual overlaps x"):
+        ops.decode_gemv(x, randn(8, 8), residual=stream)
+    assert torch.equal(buf, before)
+
+
+def test_decode_gemv_takes_a_residual_beside_its_input_in_one_buffer():
+    """Views of one allocation that do not overlap are two tensors: served, and right."""
+    buf = randn(1, 16)
+    x, stream = buf[:, :8], buf[:, 8:14]
+    weight, before = randn(6, 8, scale=8 ** -0.5), stream.clone()
+    verify_decode_gemv(ops.decode_gemv(x, weight, residual=stream), x, weight, None, None, 1e-6, None, before)
+
+
+def test_decode_qkv_rope_store_kv_refuses_caches_that_overlap():
+    """K and V written into one tensor, or x (read whole by every program) inside a cache being written: a race."""
+    x, weight, bias, norm_weight, cos, sin, k_cache, v_cache, slots = qkv_inputs(1, 4, 2, 16, 32, torch.float32)
+    for x_, k_, v_ in ((x, k_cache, k_cache), (k_cache.view(1, -1)[:, :32], k_cache, v_cache)):
+        with pytest.raises(ValueError, match="overlaps"):
+            ops.decode_qkv_rope_store_kv(x_, weight, bias, norm_weight, cos, sin, k_, v_, slots, num_heads=4,
+                                         num_kv_heads=2)
+    assert k_cache.isnan().all() and v_cache.isnan().all()
+
+
+def test_decode_qkv_rope_store_kv_takes_k_and_v_side_by_side_in_one_buffer(dtype):
+    """vLLM's layout: one (2, blocks, block_size, Hkv, D) tensor per layer, k its [0], v its [1]."""
+    x, weight, bias, norm_weight, cos, sin, k_cache, _, slots = qkv_inputs(1, 4, 2, 16, 33, dtype)
+    kv = torch.stack([k_cache, k_cache])
+    check_qkv((x, weight, bias, norm_weight, cos, sin, kv[0], kv[1], slots), 4, 2)
 
 
 @pytest.mark.parametrize("change, message", [
