@@ -302,7 +302,8 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     weight: ((H + 2 Hkv) D, K), q's rows then k's then v's; cos, sin: (M, D); caches (num_blocks, block_size, Hkv,
     D) contiguous; slots (M,) integer, distinct, each below num_blocks * block_size. ``validate=False`` skips the
     check of the slots' values (a device sync and a sort: never under CUDA-graph capture), as ``rope_store_kv``'s
-    does: only for trusted slots, such as the engine's. A program owns pairs of columns (i, i + D/2) of one head, the two halves rotate-half mixes. Full rotary only;
+    does: only for trusted slots, such as the engine's. k_cache and v_cache must not overlap each other or x. A
+    program owns pairs of columns (i, i + D/2) of one head, the two halves rotate-half mixes. Full rotary only;
     Qwen3's q/k norm (between the product and RoPE) is not here: the engine keeps its unfused path for it.
     """
     op = "decode_qkv_rope_store_kv"
