@@ -14,11 +14,25 @@ DTYPE = runtime.dtype(cpu=torch.float32)
 FUSED = Features(fused_decode_layer=True)
 
 
+def with_random_biases(path):
+    """transformers initialises every Linear bias to zero, so a tiny Qwen2 as built tests no bias at all (a fused
+    path that dropped q/k/v's bias, or added it after RoPE, would pass). A real Qwen2's q and k biases are large:
+    draw them, of the size of the products' outputs, in the checkpoint itself."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path / "model.safetensors")
+    biases = [key for key in tensors if key.endswith(".bias")]
+    assert biases, "a Qwen2 has q, k and v biases"
+    tensors.update((key, 2 * torch.randn_like(tensors[key])) for key in biases)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    return path
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """qwen2: biases on q, k, v, two layers; llama3: norm weights around 1, RoPE scaling; qwen3: q/k norm."""
+    """qwen2: biases on q, k, v (drawn), two layers; llama3: norm weights around 1, RoPE scaling; qwen3: q/k norm."""
     root = tmp_path_factory.mktemp("fused-decode")
-    return {"qwen2": tiny_model.build(root / "qwen2", architecture="qwen2"),
+    return {"qwen2": with_random_biases(tiny_model.build(root / "qwen2", architecture="qwen2")),
             **{family: tiny_model.build(root / family, architecture=family, num_layers=1)
                for family in ("llama3", "qwen3")}}
 

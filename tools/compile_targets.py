@@ -165,7 +165,8 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
     - gemv: the qkv projection (with a bias) and gate_up with SwiGLU, the 16-bit dtypes taking turns.
     - decode_gemv (Features.fused_decode_layer): its three shapes at Llama-3.2-1B's sizes, the 16-bit dtypes taking
       turns: qkv with the RMSNorm prologue, a bias and the RoPE + K/V-write epilogue; gate_up with the prologue and
-      SwiGLU; down with the residual-add epilogue (o_proj is the same kernel at a smaller K).
+      SwiGLU; down with the residual-add epilogue (o_proj is the same kernel at a smaller K); and Qwen2.5-0.5B's
+      qkv, K=896: the masked-K path.
     - Lesson 01's further fusions, in the 16-bit dtypes (float32 changes no buffer of an element-wise kernel):
       bias_swiglu (swiglu's configuration), absmax_normalize's three kernels at their largest block, and
       dequant_matmul at decode (M <= 16) and prefill tiles; dequant_matmul's float32 path (an IEEE tl.dot) at the
@@ -325,16 +326,18 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
                         (dtype, dtype, dtype, dtype, n // 2 if swiglu else n, 2048, 2048, 2048),
                         dict(HAS_BIAS=not swiglu, SWIGLU=swiglu, EVEN_K=True, **pdl, **config), config=config))
     # decode_gemv at Llama-3.2-1B's sizes (32 heads, 8 KV heads, D=64): registers only, like gemv; PDL from sm_90.
-    decode_shapes = (("qkv N=3072 K=2048 norm rope_kv", 1536, 2048, dg.ROPE_KV, True),  # n_out: column pairs
-                     ("gate_up N=16384 K=2048 norm swiglu", 8192, 2048, dg.SWIGLU, True),
-                     ("down N=2048 K=8192 residual", 2048, 8192, dg.RESIDUAL, False))
-    for i, (label, n_out, k, epilogue, norm) in enumerate(decode_shapes):
+    # And Qwen2.5-0.5B's qkv (14 heads, 2 KV heads, K=896 in a tile of 1024): the masked K path real checkpoints take.
+    decode_shapes = (("qkv N=3072 K=2048 norm rope_kv", 1536, 2048, dg.ROPE_KV, True, 2048, 512),  # n_out: pairs
+                     ("gate_up N=16384 K=2048 norm swiglu", 8192, 2048, dg.SWIGLU, True, 2048, 512),
+                     ("down N=2048 K=8192 residual", 2048, 8192, dg.RESIDUAL, False, 2048, 512),
+                     ("qkv N=1152 K=896 norm rope_kv masked K", 576, 896, dg.ROPE_KV, True, 896, 128))
+    for i, (label, n_out, k, epilogue, norm, q_cols, kv_cols) in enumerate(decode_shapes):
         dtype = half[i % len(half)]
         config = dg.config(n_out, k, epilogue)
         out.append(Case("decode_gemv", dg._decode_gemv_kernel, label, dtype,
-                        (*(dtype,) * 9, torch.int64, n_out, k, k, k, 2048, 64, 64, 1e-5, 32, 2048, 512),
-                        dict(NORM=norm, HAS_BIAS=epilogue == dg.ROPE_KV, EPILOGUE=epilogue, EVEN_K=True, **pdl,
-                             **config), config=config))
+                        (*(dtype,) * 9, torch.int64, n_out, k, k, k, 2048, 64, 64, 1e-5, 32, q_cols, kv_cols),
+                        dict(NORM=norm, HAS_BIAS=epilogue == dg.ROPE_KV, EPILOGUE=epilogue,
+                             EVEN_K=k % config["BLOCK_K"] == 0, **pdl, **config), config=config))
     return out
 
 

@@ -121,7 +121,8 @@ class EngineLayer(nn.Module):
         (1, hidden), updated in place: the same rounding points as forward (ops.decode_gemv's docstring)."""
         q = ops.decode_qkv_rope_store_kv(stream, self.qkv_proj.weight, self.qkv_proj.bias, self.input_norm, cos, sin,
                                          k_cache, v_cache, ctx.slots, num_heads=self.heads,
-                                         num_kv_heads=self.kv_heads, eps=self.eps)  # K1
+                                         num_kv_heads=self.kv_heads, eps=self.eps,
+                                         validate=False)  # K1; slots come from the block manager
         out = self.decode_attention(q, ctx, k_cache, v_cache)  # K2, K3
         ops.decode_gemv(out.reshape(1, -1), self.o_proj.weight, self.o_proj.bias, residual=stream)  # K4
         act = ops.decode_gemv(stream, self.gate_up_proj.weight, norm_weight=self.post_attention_norm, eps=self.eps,

@@ -42,11 +42,11 @@ import triton
 import triton.language as tl
 
 from lessonlib import runtime
-from lessonlib.ops._common import (check_tensors, gdc_launch_dependents, gdc_wait, launch, next_power_of_2,
-                                   pdl_options, refuse_gradient)
+from lessonlib.ops._common import (cdiv, check_tensors, gdc_launch_dependents, gdc_wait, launch,
+                                   next_power_of_2, pdl_options, refuse_gradient)
 from lessonlib.ops.gemv import MAX_ROWS
 from lessonlib.ops.rope_store_kv import check_heads_and_caches
-from lessonlib.ops.store_kv import check_slots
+from lessonlib.ops.store_kv import check_slot_values, check_slots
 
 STORE, SWIGLU, RESIDUAL, ROPE_KV = 0, 1, 2, 3  # the epilogues: plain store, silu(gate) * up, stream += y, q/k/v
 
@@ -200,6 +200,29 @@ def config(n_out: int, k: int, epilogue: int) -> dict:
     return {"BLOCK_N": min(next_power_of_2(n_out), 256), "BLOCK_K": min(next_power_of_2(k), 256), "num_warps": 4}
 
 
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """t's first byte and one past its last."""
+    start = t.data_ptr()
+    if t.is_contiguous():
+        return start, start + t.nbytes
+    return start, start + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+
+
+def _refuse_overlap(op: str, name: str, written: torch.Tensor, **read: torch.Tensor) -> None:
+    """The kernel writes ``written`` while other programs read each of ``read`` (whole, or written elsewhere): bytes
+    in common would be a race, whatever the order. Views of one allocation that do not overlap pass (a k and a v
+    cache side by side, say). A few microseconds of host time: the engine captures these calls in a graph."""
+    if not written.numel():
+        return
+    w0, w1 = _span(written)
+    for other, t in read.items():
+        if t.numel():
+            r0, r1 = _span(t)
+            if w0 < r1 and r0 < w1:
+                raise ValueError(f"{op}: {name} overlaps {other} in memory; the kernel writes {name} while it "
+                                 f"reads {other}: pass separate tensors")
+
+
 def _check(op, x, weight, bias, norm_weight, eps, **more):
     """What every launcher checks, before any launch."""
     tensors = {"x": x, "weight": weight, **({"bias": bias} if bias is not None else {}),
@@ -244,14 +267,16 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     if residual is not None:
         if tuple(residual.shape) != (m, n):
             raise ValueError(f"{op}: residual must be (M, N) = ({m}, {n}), got {tuple(residual.shape)}")
-        if residual.untyped_storage().data_ptr() == x.untyped_storage().data_ptr():
-            raise ValueError(f"{op}: residual shares memory with x; the kernel reads x whole while it writes residual")
+        if m > 1 and residual.stride(0) < n:  # an expanded row, say: two programs would add into one element
+            raise ValueError(f"{op}: residual's rows overlap (row stride {residual.stride(0)}, N={n}); it is "
+                             "updated in place, each row its own")
+        _refuse_overlap(op, "residual", residual, x=x)
         y, epilogue, n_out = residual, RESIDUAL, n
     else:
         swiglu = activation == "swiglu"
         n_out = n // 2 if swiglu else n
         y, epilogue = torch.empty(m, n_out, dtype=x.dtype, device=x.device), SWIGLU if swiglu else STORE
-    if m == 0:
+    if m == 0 or n == 0:  # nothing to compute (and no program to launch: a grid of zero)
         return y
     _launch(x, weight, bias, norm_weight, eps, y, y.stride(0), epilogue, n_out, (y,) * 5, (0, 0, 0, 0, 0))
     return y
@@ -259,7 +284,7 @@ def decode_gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 def _launch(x, weight, bias, norm_weight, eps, out, stride_om, epilogue, n_out, rope_args, rope_ints):
     meta = config(n_out, x.shape[1], epilogue)
-    launch(_decode_gemv_kernel, (triton.cdiv(n_out, meta["BLOCK_N"]), x.shape[0]),
+    launch(_decode_gemv_kernel, (cdiv(n_out, meta["BLOCK_N"]), x.shape[0]),
            x, norm_weight if norm_weight is not None else weight, weight, bias if bias is not None else weight, out,
            *rope_args, n_out, x.shape[1], x.stride(0), weight.stride(0), stride_om, *rope_ints[:2], float(eps),
            *rope_ints[2:], NORM=norm_weight is not None, HAS_BIAS=bias is not None, EPILOGUE=epilogue,
@@ -269,13 +294,15 @@ def _launch(x, weight, bias, norm_weight, eps, out, stride_om, epilogue, n_out, 
 def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                              norm_weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
                              k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, *, num_heads: int,
-                             num_kv_heads: int, eps: float = 1e-6) -> torch.Tensor:
+                             num_kv_heads: int, eps: float = 1e-6, validate: bool = True) -> torch.Tensor:
     """The qkv projection with the RMSNorm prologue and ``rope_store_kv`` as its epilogue, one launch, like
     :func:`lessonlib.reference.decode_qkv_rope_store_kv`: ``qkv = decode_gemv(x, weight, bias, norm_weight=...)``,
     then q rotated (returned, (M, H, D)), k rotated into k_cache and v copied into v_cache at ``slots``.
 
     weight: ((H + 2 Hkv) D, K), q's rows then k's then v's; cos, sin: (M, D); caches (num_blocks, block_size, Hkv,
-    D) contiguous; slots (M,) integer, distinct and in range: not checked (a host sync), the engine's are. A
+    D) contiguous; slots (M,) integer, distinct, each below num_blocks * block_size. ``validate=False`` skips the
+    check of the slots' values (a device sync and a sort: never under CUDA-graph capture), as ``rope_store_kv``'s
+    does: only for trusted slots, such as the engine's. k_cache and v_cache must not overlap each other or x. A
     program owns pairs of columns (i, i + D/2) of one head, the two halves rotate-half mixes. Full rotary only;
     Qwen3's q/k norm (between the product and RoPE) is not here: the engine keeps its unfused path for it.
     """
@@ -290,6 +317,10 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
         if tuple(table.shape) != (m, head_dim):
             raise ValueError(f"{op}: {name} must be (M, head_dim) = ({m}, {head_dim}), got {tuple(table.shape)}")
     check_slots(op, slots, m, x.device)
+    _refuse_overlap(op, "k_cache", k_cache, v_cache=v_cache, x=x)
+    _refuse_overlap(op, "v_cache", v_cache, x=x)
+    if validate and m:  # reads slots on the host: a sync
+        check_slot_values(op, slots, k_cache.shape[0] * k_cache.shape[1])
     q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
     if m == 0:
         return q
