@@ -9,23 +9,10 @@ import torch
 
 from lessonlib import ops, runtime, serving, tiny_model
 from lessonlib.engine import LLM, Features, SamplingParams
+from tests.conftest import with_random_biases
 
 DTYPE = runtime.dtype(cpu=torch.float32)
 FUSED = Features(fused_decode_layer=True)
-
-
-def with_random_biases(path):
-    """transformers initialises every Linear bias to zero, so a tiny Qwen2 as built tests no bias at all (a fused
-    path that dropped q/k/v's bias, or added it after RoPE, would pass). A real Qwen2's q and k biases are large:
-    draw them, of the size of the products' outputs, in the checkpoint itself."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(path / "model.safetensors")
-    biases = [key for key in tensors if key.endswith(".bias")]
-    assert biases, "a Qwen2 has q, k and v biases"
-    tensors.update((key, 2 * torch.randn_like(tensors[key])) for key in biases)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import torch
 from lessonlib import runtime, serving, tiny_model
 from lessonlib.engine import LLM, ModelConfig
 from lessonlib.engine.features import PLAIN_PYTORCH
+from tests.conftest import with_random_biases
 
 DTYPE = runtime.dtype(cpu=torch.float32)  # float32 in the interpreter; a GPU's 16-bit dtype (float32 would be TF32)
 LONG_PROMPT_FEATURES = None if runtime.on_gpu() else PLAIN_PYTORCH  # every kernel on a GPU (module docstring)
@@ -28,10 +29,11 @@ LONG_PROMPT_FEATURES = None if runtime.on_gpu() else PLAIN_PYTORCH  # every kern
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """One-layer tiny checkpoints, built once per test session."""
+    """One-layer tiny checkpoints, built once per test session; qwen2's q/k/v biases drawn (tests.conftest)."""
     root = tmp_path_factory.mktemp("families")
-    return {family: tiny_model.build(root / family, architecture=family, num_layers=1)
-            for family in ("qwen2", "llama3", "qwen3", "mistral")}
+    built = {family: tiny_model.build(root / family, architecture=family, num_layers=1)
+             for family in ("qwen2", "llama3", "qwen3", "mistral")}
+    return {**built, "qwen2": with_random_biases(built["qwen2"])}
 
 
 def random_prompt(length: int) -> list[int]:
@@ -94,6 +96,7 @@ def test_a_llama_with_attention_bias_and_tied_embeddings_gives_the_full_forward_
     torch.manual_seed(random.randrange(1000))
     biased = type(model)(config)
     biased.save_pretrained(tmp_path / "biased")
+    with_random_biases(tmp_path / "biased")  # transformers' zero biases would test none
     saved = json.loads((tmp_path / "biased" / "config.json").read_text())
     assert saved["attention_bias"] is True and saved["tie_word_embeddings"] is True
     serving.check_engine_greedy(engine(tmp_path / "biased", 64, PLAIN_PYTORCH), tmp_path / "biased",
