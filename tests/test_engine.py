@@ -13,6 +13,7 @@ import torch
 
 from lessonlib import runtime, serving, tiny_model
 from lessonlib.engine import LLM, SamplingParams, can_admit, top_p_filter
+from tests.engine_fixtures import llm, path  # noqa: F401 (fixtures)
 
 PREFIX = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "
           "square of the sequence length, so")
@@ -21,16 +22,6 @@ DTYPE = runtime.dtype(cpu=torch.float32)  # float32 in the interpreter; the GPU 
 # A dtype the engine must refuse here: bfloat16 in the interpreter (and below sm_80), float32 on a GPU (flash_attention
 # would run it as TF32).
 UNSUPPORTED = torch.bfloat16 if torch.bfloat16 not in runtime.supported_dtypes() else torch.float32
-
-
-@pytest.fixture(scope="module")
-def path():
-    return tiny_model.build()
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    return LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, num_blocks=32, max_model_len=256)
 
 
 def transformers_greedy(path, prompts, max_tokens):

@@ -17,19 +17,10 @@ from lessonlib.engine.chat import chat_prompts
 from lessonlib.engine.sampler import Sampler
 from lessonlib.kv_cache import block_digest
 from lessonlib.testing import check_close
+from tests.engine_fixtures import llm, path  # noqa: F401 (fixtures)
 
 DTYPE = runtime.dtype(cpu=torch.float32)
 PROMPT = "The quick brown fox jumps over the lazy dog. Hello, my name is"
-
-
-@pytest.fixture(scope="module")
-def path():
-    return tiny_model.build()
-
-
-@pytest.fixture(scope="module")
-def llm(path):
-    return LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, num_blocks=32, max_model_len=256)
 
 
 def greedy(max_tokens, **options):
