@@ -79,15 +79,19 @@ def test_top_k_and_min_p_filters_on_hand_checked_rows():
     filtered = min_p_filter(probs, torch.tensor([0.2, 1.0]))  # thresholds 0.1 and 0.2
     torch.testing.assert_close(filtered[0], torch.tensor([0.5, 0.3, 0.1, 0, 0]) / 0.9)
     torch.testing.assert_close(filtered[1], probs[1])  # min_p 1 keeps the tokens tied at the top
-    # A sampled row whose probabilities are not finite gets ABORTED; check_all catches a greedy one too.
+    # A row whose logits (greedy) or probabilities (sampled) are not finite gets ABORTED; check_all checks every row
+    # again, even where the step handed its greedy tokens in.
     sampler, rows = Sampler(torch.device("cpu")), torch.randn(3, 11)
     rows[1, random.randrange(11)] = float("nan")
     for i in range(3):
         sampler.start(i, seed=i)
     params = [SamplingParams(temperature=0.7, seed=i) for i in range(2)] + [SamplingParams(temperature=0)]
     assert sampler(rows, [0, 1, 2], params)[1] == -2
-    rows[2, 0] = float("inf")
-    assert sampler(rows, [0, 1, 2], params, check_all=True).tolist()[1:] == [-2, -2]
+    rows[2, random.randrange(11)] = random.choice([float("inf"), float("-inf"), float("nan")])
+    assert sampler(rows, [0, 1, 2], params).tolist()[1:] == [-2, -2]
+    handed_in = torch.zeros(3, dtype=torch.int64)  # as if the step's greedy tokens had missed the bad row
+    assert sampler(rows, [0, 1, 2], params, greedy=handed_in).tolist()[1:] == [-2, 0]
+    assert sampler(rows, [0, 1, 2], params, greedy=handed_in, check_all=True).tolist()[1:] == [-2, -2]
 
 
 def transformers_greedy_and_logprobs(path, prompt: list[int], max_tokens: int):
@@ -155,6 +159,33 @@ def test_a_request_with_nan_probabilities_ends_alone_and_the_prefix_cache_stays(
     first_block = [llm.block_manager.allocator.lookup(block_digest([], p[:llm.block_size])) for p in prompts]
     assert first_block[0] is None and first_block[1] is not None  # the good request's blocks are still cached
     assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
+
+
+def test_a_greedy_request_whose_logits_turn_nan_ends_alone_without_check_kernels(llm):
+    """NaN planted in one request's cached keys after its prefill: its first decode step's logits are NaN, through
+    the step the engine really runs (captured graphs and the fused argmax on a GPU, asynchronous scheduling: the next
+    step is launched before the host sees the bad row). That request ends with "abort" and its prefill's token; the
+    other's tokens are those of the same batch unpoisoned (the NaN stays in its row); the bad request's blocks leave
+    the prefix cache, so its prompt is then computed afresh, not read from the poisoned blocks."""
+    assert not llm.check_kernels and llm.features.async_scheduling
+    rng = random.Random()
+    prompts = [[rng.randrange(3, llm.config.vocab_size) for _ in range(llm.block_size + rng.randrange(1, 9))]
+               for _ in range(2)]
+    alone = llm.generate(prompts[:1], greedy(2))[0].outputs[0].token_ids  # its first block not cached yet
+    for _ in range(2):  # the second run's prefills start from cached first blocks, as the poisoned run's will
+        together = [out.outputs[0].token_ids for out in llm.generate(prompts, greedy(2))]
+    bad, good = [llm.add_request(p, greedy(2)) for p in prompts]
+    llm.step()  # the prefill of both (a prefill never runs on behind the host)
+    assert (bad.output_token_ids, good.output_token_ids) == (together[0][:1], together[1][:1])
+    assert not set(bad.block_table) & set(good.block_table)
+    llm.runner.k_caches[:, bad.block_table] = float("nan")
+    while llm.has_unfinished_requests():
+        llm.step()
+    assert (bad.finish_reason, bad.output_token_ids) == ("abort", together[0][:1])
+    assert (good.finish_reason, good.output_token_ids) == ("length", together[1])
+    assert llm.block_manager.allocator.lookup(block_digest([], prompts[0][:llm.block_size])) is None
+    assert llm.num_blocks_in_use() == 0
+    assert llm.generate(prompts[:1], greedy(2))[0].outputs[0].token_ids == alone
 
 
 def test_n_samples_share_the_prompt_blocks(llm, monkeypatch):

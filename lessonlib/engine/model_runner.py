@@ -16,6 +16,7 @@ import torch
 from lessonlib import ops, runtime
 from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model, StepContext
+from lessonlib.engine.sampler import greedy_tokens
 from lessonlib.engine.sequence import Sequence
 
 
@@ -26,14 +27,6 @@ class StepOutput:
 
     logits: torch.Tensor
     greedy: torch.Tensor
-
-
-def greedy(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
-    """Each row's argmax. On a GPU ``ops.argmax``, which spreads a row over the GPU (PyTorch's argmax reads a row
-    with one thread block: 40 us for Llama 3's 128,256 logits on the H200); in the interpreter PyTorch's, the same
-    indices (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each. ``fused`` False (the
-    engine's fused_ops feature off): PyTorch's everywhere."""
-    return ops.argmax(logits) if fused and runtime.on_gpu() else logits.argmax(dim=-1)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -231,7 +224,7 @@ class PrefillGraphs:
         ctx = StepContext(True, slots, max_query_len=bucket, flash_groups=[(None, 1, bucket)])
         hidden = runner.model(ids, positions, ctx, runner.k_caches, runner.v_caches)
         logits = runner.model.logits(hidden[self.device_buffer[-1:]])
-        return StepOutput(logits, greedy(logits, runner.fused))
+        return StepOutput(logits, greedy_tokens(logits, runner.fused))
 
     def _capture(self, bucket: int) -> None:
         """Capture ``bucket``'s graph with every row padding (the warm-up run compiles its kernels and writes only
@@ -298,7 +291,7 @@ class ModelRunner:
         last = self._tensor([end - 1 for end, seq, (_, n) in zip(starts[1:], seqs, chunks) if n == len(seq)],
                             torch.int64)
         logits = self.model.logits(hidden[last])
-        return StepOutput(logits, greedy(logits, self.fused))
+        return StepOutput(logits, greedy_tokens(logits, self.fused))
 
     def _flash_groups(self, lens: list[int], starts: list[int]) -> list:
         """Prompts of equal length batched into one flash_attention call each."""
@@ -337,8 +330,10 @@ class ModelRunner:
         inputs = self.inputs.views(rows)
         hidden = self.model(self.inputs.input_ids(rows), inputs["positions"], ctx, self.k_caches, self.v_caches)
         logits = self.model.logits(hidden)
-        tokens = greedy(logits, self.fused)
-        self.inputs.previous_tokens[:rows].copy_(tokens)
+        tokens = greedy_tokens(logits, self.fused)
+        # The next step may be launched before the host sees these: an ABORTED row feeds it token 0 (its output is
+        # dropped, the request having ended), never an index the embedding cannot read.
+        torch.clamp(tokens, min=0, out=self.inputs.previous_tokens[:rows])
         return StepOutput(logits, tokens)
 
     def _capture(self, max_num_seqs: int) -> None:

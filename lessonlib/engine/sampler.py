@@ -1,14 +1,27 @@
 """From logits to the next token: greedy, or sampled with temperature, min-p, top-k and top-p (vLLM's order),
-reproducible with a seed; a row whose probabilities are not finite is refused (ABORTED), not sampled; the logprobs a
-request asks for."""
+reproducible with a seed; a row whose logits or probabilities are not finite is refused (ABORTED), greedy or
+sampled; the logprobs a request asks for."""
 
 from __future__ import annotations
 
 import torch
 
+from lessonlib import ops, runtime
 from lessonlib.engine.sequence import Logprob, SamplingParams
 
-ABORTED = -2  # the token of a row whose probabilities were NaN or inf: its request ends alone, with "abort"
+ABORTED = -2  # the token of a row whose logits or probabilities were NaN or inf: its request ends alone, "abort"
+
+
+def greedy_tokens(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
+    """Each row's argmax, or ABORTED for a row whose logits hold NaN or an infinity (its request then ends alone,
+    with "abort", instead of taking whatever index the NaN sits at). On a GPU ``ops.argmax``, which spreads a row
+    over the GPU (PyTorch's argmax reads a row with one thread block: 40 us for Llama 3's 128,256 logits on the
+    H200) and checks the row in the same read; in the interpreter PyTorch's, the same indices
+    (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each. ``fused`` False (the engine's
+    fused_ops feature off): PyTorch's everywhere."""
+    if fused and runtime.on_gpu():
+        return ops.argmax(logits, nonfinite=ABORTED)
+    return torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), ABORTED)
 
 
 def top_p_filter(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -93,11 +106,12 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
                  greedy: torch.Tensor | None = None, check_all: bool = False) -> torch.Tensor:
-        """logits: (B, V) float32; greedy: (B,) each row's argmax if the step computed it already (the engine's
-        runner does, on the GPU). Returns the B token ids as a (B,) int64 tensor on the logits' device: a greedy
-        batch is sampled without the host waiting for the GPU (and its logits are not checked, unless
-        ``check_all``). A sampled row whose probabilities are not finite gets ABORTED instead of a token."""
-        tokens = logits.argmax(dim=-1) if greedy is None else greedy
+        """logits: (B, V) float32; greedy: (B,) each row's ``greedy`` token if the step computed it already (the
+        engine's runner does, on the GPU, ABORTED where the row's logits are not finite). Returns the B token ids as
+        a (B,) int64 tensor on the logits' device, without the host waiting for the GPU. A row whose logits
+        (greedy) or probabilities (sampled) are not finite gets ABORTED instead of a token. ``check_all``: every
+        row's logits checked here again, as LLM(check_kernels=True) asks."""
+        tokens = greedy_tokens(logits) if greedy is None else greedy
         sampled = [i for i, p in enumerate(params) if not p.greedy]
         if sampled or check_all:  # rows overwrite their greedy token (in a copy: greedy may be a graph's output)
             tokens = tokens.clone()

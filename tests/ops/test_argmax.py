@@ -1,6 +1,7 @@
 """ops.argmax against torch.argmax: the same index exactly (an argmax has no rounding), ties included."""
 
 import importlib
+import random
 
 import pytest
 import torch
@@ -62,3 +63,25 @@ def test_num_chunks_fills_the_gpu_and_never_makes_an_empty_chunk():
 def test_bad_input_is_refused(bad, error, message):
     with pytest.raises(error, match=message):
         ops.argmax(bad())
+
+
+@pytest.mark.parametrize("sentinel", [-2, 7, 2**40])
+def test_rows_holding_nan_or_infinity_get_the_nonfinite_index(dtype, chunks, sentinel):
+    """With ``nonfinite``, a row holding NaN, +inf or -inf anywhere (any chunk, any tile) gets that index; a finite
+    row its argmax, as without it; the padding past a row's end is not mistaken for a value."""
+    rows, n = 7, 2 * argmax_module.BLOCK + random.randrange(1, argmax_module.BLOCK)
+    x = randn(rows, n, dtype=dtype)
+    bad = random.sample(range(rows), 4)
+    for row, value in zip(bad, [float("nan"), float("inf"), float("-inf"), float("nan")]):
+        x[row, random.randrange(n)] = value
+    x[bad[3]] = float("-inf")  # a row of -inf only: no finite value at all
+    x[bad[3], random.randrange(n)] = float("nan")
+    expected = torch.where(torch.isfinite(x).all(dim=-1), torch.argmax(x, dim=-1), sentinel)
+    assert torch.equal(ops.argmax(x, nonfinite=sentinel), expected)
+    assert torch.equal(ops.argmax(x[::2], nonfinite=sentinel), expected[::2])  # strided rows
+
+
+@pytest.mark.parametrize("nonfinite", [True, 1.0, "-2", 2**63])
+def test_a_nonfinite_index_that_is_not_an_int64_is_refused(nonfinite):
+    with pytest.raises(TypeError, match="nonfinite"):
+        ops.argmax(randn(2, 5, dtype=torch.float32), nonfinite=nonfinite)
