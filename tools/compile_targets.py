@@ -290,9 +290,10 @@ def cases(profile: runtime.GPUProfile | None = None, thorough: bool = False) -> 
         out.append(Case("rope_store_kv", rk._rope_store_kv_kernel, "H=32 Hkv=8 D=128", dtype,
                         (dtype, dtype, dtype, torch.int64, dtype, dtype, dtype, 48 * 128, 128, 128, 32, 8, 64),
                         config, config=config))
-        config = {"BLOCK": am.BLOCK, "num_warps": 4}  # the engine's greedy sampling, over Llama 3's vocabulary
+        # The engine's greedy sampling, over Llama 3's vocabulary, a non-finite row given ABORTED (-2).
+        config = {"BLOCK": am.BLOCK, "CHECK_FINITE": True, "num_warps": 4}
         out.append(Case("argmax", am._argmax_chunk_kernel, "V=128256", dtype,
-                        (dtype, f32, torch.int64, 128256, 128256, 4096), {**config, **pdl}, config=config))
+                        (dtype, f32, torch.int64, 128256, 128256, 4096, -2), {**config, **pdl}, config=config))
     # Lesson 01's further fusions: bias_swiglu at I=14336, absmax_normalize over 8192 x 4096 elements, and
     # dequant_matmul's two tile shapes for a 4096 -> 14336 layer (float32 at the prefill tile only).
     n = 8192 * 4096

@@ -19,7 +19,7 @@ def greedy_tokens(logits: torch.Tensor, fused: bool = True) -> torch.Tensor:
     H200) and checks the row in the same read; in the interpreter PyTorch's, the same indices
     (tests/ops/test_argmax.py) without a Triton program per row at milliseconds each. ``fused`` False (the engine's
     fused_ops feature off): PyTorch's everywhere."""
-    if fused and runtime.on_gpu():
+    if fused and runtime.on_gpu() and logits.is_cuda:
         return ops.argmax(logits, nonfinite=ABORTED)
     return torch.where(torch.isfinite(logits).all(dim=-1), logits.argmax(dim=-1), ABORTED)
 
