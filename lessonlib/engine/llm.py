@@ -307,7 +307,7 @@ class LLM:
         for seq, token, index in zip(launched.seqs, tokens, launched.token_index):
             if seq.status is not Status.RUNNING:  # it ended at the step before, which this one was launched behind
                 continue
-            if token == ABORTED:  # its probabilities were NaN/inf: it ends alone, its unshared blocks uncached
+            if token == ABORTED:  # NaN/inf logits or probabilities: it ends alone, its unshared blocks uncached
                 del seq.token_ids[index:]
                 self.block_manager.forget_blocks_of(seq)
                 self.scheduler.finish(seq, "abort")
