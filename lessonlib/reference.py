@@ -227,6 +227,14 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = 
     return p.to(q.dtype) @ v
 
 
+def attention_score_bytes(batch: int, heads: int, n_q: int, n_kv: int, dtype: torch.dtype) -> int:
+    """The most bytes of score matrices :func:`attention` holds at once for inputs of ``dtype``: three (B, H, Nq, Nkv)
+    tensors in the softmax's dtype (float32, float64 for float64 inputs), the scaled scores, their softmax and its
+    NaN-free copy. Inputs and output not counted. 12 bytes per score for 16-bit inputs: six times the scores in the
+    inputs' dtype."""
+    return 3 * batch * heads * n_q * n_kv * torch.promote_types(dtype, torch.float32).itemsize
+
+
 def flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                           sm_scale: float | None = None, block_m: int = 64, block_n: int = 64):
     """FlashAttention's algorithm in plain PyTorch: loop over query tiles and key/value tiles, keep per query row a

@@ -138,6 +138,7 @@ class GPUProfile:
     shared_memory_per_block: int  # bytes, opt-in limit
     memory_bytes: int
     emulated_on: str | None = None  # the real GPU's name when LESSONLIB_GPU_PROFILE emulates this one
+    share: float = 1.0  # the part of the card this process plans for (LESSONLIB_GPU_SHARE), 1 when it has it alone
 
     @property
     def arch(self) -> int:
@@ -179,8 +180,9 @@ class GPUProfile:
     @property
     def memory_budget(self) -> int:
         """Bytes of GPU memory a notebook may use: three quarters of the card (12 GB of a 16 GB T4), leaving room
-        for the CUDA context, cuBLAS workspaces and the caching allocator's slack."""
-        return int(0.75 * self.memory_bytes)
+        for the CUDA context, cuBLAS workspaces and the caching allocator's slack; times :attr:`share` where several
+        processes share the card (``LESSONLIB_GPU_SHARE``: the test suite's notebook runs beside its workers)."""
+        return int(0.75 * self.share * self.memory_bytes)
 
     @property
     def small(self) -> bool:
@@ -199,6 +201,8 @@ class GPUProfile:
                 f"shared memory per block, {gib:.0f} GiB, bfloat16 {'yes' if self.has_bfloat16 else 'no'})")
         if self.emulated_on:
             text += f", emulated on {self.emulated_on}"
+        if self.share < 1:
+            text += f", planning for {self.share:.0%} of its memory (LESSONLIB_GPU_SHARE)"
         return text
 
 
@@ -228,6 +232,10 @@ def gpu_profile() -> GPUProfile | None:
     (:meth:`GPUProfile.stands_in_for`): its dtype policy, shared-memory budget for kernel configurations, memory
     budget (enforced with ``torch.cuda.set_per_process_memory_fraction``), problem sizes and absent SDPA backends. Kernels still compile for the real GPU, so its speed is not emulated.
 
+    ``LESSONLIB_GPU_SHARE=0.5`` (a number in (0, 1]) makes the process plan for that part of the card's memory
+    (:attr:`GPUProfile.memory_budget`), for runs that share one GPU: the problem sizes a notebook picks by the budget
+    shrink; nothing else changes (nothing is enforced).
+
     In ``"compile"`` mode (no launches) it is the profile named by ``LESSONLIB_GPU_PROFILE``, as is, with no
     device to compare it with."""
     if mode() == "compile":
@@ -245,6 +253,7 @@ def gpu_profile() -> GPUProfile | None:
         shared_memory_per_block=getattr(props, "shared_memory_per_block_optin", 0) or _optin_shared_memory(props),
         memory_bytes=props.total_memory,
     )
+    native = replace(native, share=_gpu_share())
     wanted = os.environ.get("LESSONLIB_GPU_PROFILE", "").strip().lower()
     if not wanted or wanted == "native":
         return native
@@ -256,7 +265,21 @@ def gpu_profile() -> GPUProfile | None:
                          "have its features, bfloat16, tensor cores, TMA, and at least its memory and shared memory)")
     # Hold the process to the emulated card's memory: allocations past it fail as they would there.
     torch.cuda.set_per_process_memory_fraction(emulated.memory_bytes / native.memory_bytes)
-    return replace(emulated, emulated_on=native.name)
+    return replace(emulated, emulated_on=native.name, share=native.share)
+
+
+def _gpu_share() -> float:
+    text = os.environ.get("LESSONLIB_GPU_SHARE", "").strip()
+    if not text:
+        return 1.0
+    try:
+        share = float(text)
+    except ValueError:
+        share = float("nan")
+    if not 0 < share <= 1:
+        raise ValueError(f"LESSONLIB_GPU_SHARE={text!r}: expected a number in (0, 1], the part of the GPU's memory "
+                         "this process plans for")
+    return share
 
 
 def _optin_shared_memory(props) -> int:

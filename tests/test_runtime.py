@@ -71,6 +71,7 @@ def on_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: state.props)
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device=None: fractions.append(f))
     monkeypatch.delenv("LESSONLIB_GPU_PROFILE", raising=False)
+    monkeypatch.delenv("LESSONLIB_GPU_SHARE", raising=False)
     runtime.gpu_profile.cache_clear()
     yield state
     runtime.gpu_profile.cache_clear()
@@ -106,6 +107,27 @@ def test_emulation_takes_the_profile_and_caps_memory(on_gpu, monkeypatch, key):
     assert (profile.capability, profile.shared_memory_per_block) == (expected.capability, expected.shared_memory_per_block)
     assert profile.emulated_on == "NVIDIA H200" and "emulated on NVIDIA H200" in profile.describe()
     assert on_gpu.fractions == [pytest.approx(expected.memory_bytes / H200.total_memory)]
+
+
+@pytest.mark.parametrize("key", ["native", "t4"])
+def test_a_share_of_the_gpu_scales_the_memory_budget_and_nothing_else(on_gpu, monkeypatch, key):
+    """LESSONLIB_GPU_SHARE=0.4: the process plans for 40% of the card (the budget notebooks size their problems by),
+    natively and under a profile; the emulated card's memory cap, the sizes' tier and the dtype policy stay."""
+    monkeypatch.setenv("LESSONLIB_GPU_PROFILE", key)
+    whole = runtime.gpu_profile()
+    runtime.gpu_profile.cache_clear()
+    monkeypatch.setenv("LESSONLIB_GPU_SHARE", "0.4")
+    shared = runtime.gpu_profile()
+    assert shared.memory_budget == int(0.75 * 0.4 * whole.memory_bytes) and whole.memory_budget == int(0.75 * whole.memory_bytes)
+    assert (shared.memory_bytes, shared.small, shared.capability) == (whole.memory_bytes, whole.small, whole.capability)
+    capped = [] if key == "native" else [pytest.approx(whole.memory_bytes / H200.total_memory)] * 2
+    assert on_gpu.fractions == capped  # the emulated card's cap, the same with a share as without
+    assert "planning for 40% of its memory" in shared.describe() and "planning" not in whole.describe()
+    for bad in ("0", "1.5", "-0.2", "half", "nan"):
+        runtime.gpu_profile.cache_clear()
+        monkeypatch.setenv("LESSONLIB_GPU_SHARE", bad)
+        with pytest.raises(ValueError, match="LESSONLIB_GPU_SHARE"):
+            runtime.gpu_profile()
 
 
 def test_emulating_a_bigger_or_unknown_gpu_is_refused(on_gpu, monkeypatch):

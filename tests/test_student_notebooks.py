@@ -110,10 +110,17 @@ def why_not_here(path: Path) -> str | None:
 RUNNABLE = [p for p in WITH_EXERCISES if why_not_here(p) is None]
 
 
+# On a GPU the copies run beside the suite's other workers (pytest -n): each plans for this part of the card's memory
+# (runtime.GPUProfile.memory_budget), not for the card alone as on Colab. A copy that plans for three quarters of an
+# H200 holds ~100 GB at once (lesson 02's naive attention at N=16,384), and the workers beside it then run out.
+GPU_SHARE = "0.4"
+
+
 def run_student_copy(student: Path) -> subprocess.CompletedProcess:
     try:
         return subprocess.run([sys.executable, "-c", RUNNER, str(student), str(student.parent)], capture_output=True,
-                              text=True, cwd=student.parent, timeout=600, env={**os.environ, "MPLBACKEND": "Agg"})
+                              text=True, cwd=student.parent, timeout=600,
+                              env={**os.environ, "MPLBACKEND": "Agg", "LESSONLIB_GPU_SHARE": GPU_SHARE})
     except subprocess.TimeoutExpired as e:  # this copy's test fails, not every test of the module
         return subprocess.CompletedProcess(e.cmd, -1, e.stdout or "", f"{student.name} ran past {e.timeout} s")
 
@@ -124,7 +131,7 @@ def student_runs() -> dict[str, subprocess.CompletedProcess]:
     one at a time on a GPU. A notebook sizes its problems (and lesson 07 its KV pool) by the card's memory budget,
     three quarters of the card, as if it had the card to itself, which it does on Colab: two at once can run the card
     out of memory (on the H200, 01's copy met another process holding 97 GiB: "CUDA out of memory ... 794.81 MiB
-    is free")."""
+    is free"). Each also plans for GPU_SHARE of the card only, for the workers running beside it."""
     from lessonlib import runtime
 
     with ThreadPoolExecutor(max_workers=1 if runtime.on_gpu() else 2) as pool:

@@ -149,3 +149,45 @@ def test_tile_plan_skips_exactly_the_invisible_tiles(n_q, n_kv, causal):
             assert (plan[i, j] == 0) == (not tile.any()), (i, j, plan)
             if plan[i, j] == 1:
                 assert full, (i, j, plan)
+
+
+class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the bytes of every tensor the ops under it create, while it lives: the peak of what a function holds
+    at once beyond its inputs (views share their base's storage and are not counted twice)."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.now, self.peak = {}, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t._base is None and t.untyped_storage().data_ptr() not in self.live:
+                key = t.untyped_storage().data_ptr()
+                self.live[key] = t.untyped_storage().nbytes()
+                self.now += self.live[key]
+                self.peak = max(self.peak, self.now)
+                weakref.finalize(t, self._free, key)
+        return out
+
+    def _free(self, key):
+        self.now -= self.live.pop(key, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_attention_score_bytes_is_the_textbook_references_peak(dtype, causal):
+    """Lesson 02 sizes its naive-attention timings by reference.attention_score_bytes (runtime.check_fits): it must
+    be what the reference holds at once, counted tensor by tensor here, not the scores in the inputs' dtype (a sixth
+    of it in 16 bits: on the H200 that planned 52 GB for N=16,384 and held 100)."""
+    q, k, v = (randn(1, 4, n, 32, dtype=dtype) for n in (96, 160, 160))
+    with _LiveBytes() as counted:
+        out = reference.attention(q, k, v, causal=causal)
+    scores = reference.attention_score_bytes(1, 4, 96, 160, dtype)
+    nbytes = lambda t: t.numel() * t.element_size()
+    # Beyond the scores: the output, contiguous copies of K and V that matmul may make (the CPU's bmm does), and P
+    # cast back to 16 bits while its float32 copy lives.
+    extra = nbytes(out) + nbytes(k) + nbytes(v) + (scores // 6 if dtype.itemsize < 4 else 0)
+    assert scores <= counted.peak <= scores + extra, (counted.peak, scores)
