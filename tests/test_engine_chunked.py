@@ -138,10 +138,10 @@ def test_the_budget_split_exercise_passes_its_solution_and_names_planted_mistake
             check_prompt_chunks(define(mutated(source, old, new), "my_prompt_chunks"))
 
 
-@pytest.mark.skipif(runtime.on_gpu(), reason="seeded draws are equal only where the logits are: in float32 (the "
-                    "interpreter) a chunked and an unchunked prefill differ by float32 rounding (~1e-6 of a probability), "
-                    "which moves a draw about once in a million; on a GPU the engine runs 16 bits, whose rounding moves draws "
-                    "near a boundary of the distribution (the H200 met one)")
+@pytest.mark.skipif(runtime.on_gpu(), reason=(
+    "seeded draws are equal only where the logits are: in float32 (the interpreter) a chunked and an unchunked "
+    "prefill differ by float32 rounding (~1e-6 of a probability), which moves a draw about once in a million; on a "
+    "GPU the engine runs 16 bits, whose rounding moves draws near a boundary of the distribution (the H200 met one)"))
 def test_sampled_requests_draw_the_same_tokens_with_and_without_chunking(path):
     """The scheduling does not touch the sampling: each request's seeded generator draws once per token, in order,
     whether its prompt came in chunks or at once."""
