@@ -350,6 +350,19 @@ def serving_row(impl, rate, ttft_p99_ms, itl_p99_ms, tokens_per_s, failed=0):
             "ttft_ms": {"p99": ttft_p99_ms}, "itl_ms": {"p99": itl_p99_ms}, "output_tokens_per_s": tokens_per_s}
 
 
+def test_a_request_cut_by_the_benchmarks_deadline_is_not_past_the_knee_but_a_server_error_is():
+    """The knee is a TTFT rule: a rate whose p99 TTFT is under 2 s stays under the knee when requests were cut short
+    by the benchmark's own deadline (their TTFT is counted), and is past it when the server failed one."""
+    import bench_serving
+
+    row = {"ttft_ms": {"p99": 245.0}, "failed": 1, "cut_by_deadline": 1}
+    assert not bench_serving.past_knee(row)
+    assert bench_serving.past_knee({**row, "failed": 2})  # one error beside the cut one
+    assert bench_serving.past_knee({**row, "cut_by_deadline": 0})
+    assert bench_serving.past_knee({**row, "ttft_ms": {"p99": 2000.0}})
+    assert bench_serving.past_knee({"ttft_ms": {"p99": 10.0}, "failed": 1})  # a record without the count: an error
+
+
 def test_serving_targets_are_read_from_the_records():
     """Issue 26's verdicts on hand-made records: the knee is the highest rate before the first one past 2 s (or with a
     failure), the latencies are compared at the peer's knee, the saturation throughput is each schedule's best."""
