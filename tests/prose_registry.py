@@ -363,6 +363,12 @@ LESSONS_05_06_07 = (
     Holds("07_serving_engine", "8a1d0c01", "\"+ CUDA graphs\", several times faster than the rung below it",
           lambda: ladder(Impl.RUNG_CUDA_GRAPHS) / ladder(Impl.RUNG_PAGED_DECODE) >= SEVERAL,
           "tokens/s of the recorded ladder"),
+    Holds("07_serving_engine", "dcf821c8", "the Llama-3.2-1B-shaped model in bfloat16, 32 running decodes, one "
+          "4,096-token prompt, a 512-token budget",
+          lambda: (lambda run: (run.records[0]["dtype"], run.notes["model"]["shape"]["hidden_size"],
+                                run.notes["sizes"]["decodes"], run.notes["sizes"]["prompt"], run.notes["sizes"]["budget"])
+                   == ("bfloat16", 2048, 32, 4096, 512))(results.load("chunked-prefill-h200")),
+          "the recorded H200 run's dtype, model and sizes"),
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",
           "the live ladder's stored output: the plain rung's seconds the least"),
