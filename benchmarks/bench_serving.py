@@ -23,11 +23,11 @@ answer's usage anyway: an early end only spares transformers work).
 
 The plan fits ``--budget-s`` (BUDGET_S, issue 26's device call): each server gets an equal share of the time left
 when it starts (start-up included); a server's rates rise until one is past its knee (a p99 time to first token of
-TTFT_KNEE_S or more, or a request the server failed: the higher rates would only queue longer) or its share runs out. Each rate
-is bounded in count and in time (its arrivals plus DRAIN_S): a request not finished by then is cancelled and
-counted as failed (``cut_by_deadline`` of them: not past the knee by itself), and one still without its first token
-counts its wait so far as its TTFT. The run's notes hold
-issue 26's targets computed from its records (``targets``); an interrupt still writes the file.
+TTFT_KNEE_S or more, or a request the server failed: the higher rates would only queue longer) or its share runs
+out. Each rate is bounded in count and in time (its arrivals plus DRAIN_S): a request not finished by then is
+cancelled and counted as failed (``cut_by_deadline`` of them: not past the knee by itself), and one still without
+its first token counts its wait so far as its TTFT. The run's notes hold issue 26's targets computed from its
+records (``targets``); an interrupt still writes the file.
 
 Recorded per (server, workload, rate): time to first token, inter-token latency (the gaps between a stream's
 chunks, pooled) and end-to-end latency, each at p50/p90/p99 in milliseconds, output tokens/s (all output tokens /

@@ -1,3 +1,5 @@
+import weakref
+
 import pytest
 import torch
 
@@ -160,8 +162,6 @@ class _LiveBytes(torch.utils._python_dispatch.TorchDispatchMode):
         self.live, self.now, self.peak = {}, 0, 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
         out = func(*args, **(kwargs or {}))
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and t._base is None and t.untyped_storage().data_ptr() not in self.live:
