@@ -324,6 +324,14 @@ def live_ladder_seconds() -> dict[str, float]:
     return {rung: float(seconds) for rung, seconds in rows}
 
 
+def chunked_prefill_case() -> tuple:
+    """The recorded chunked-prefill run's dtype, hidden size, running decodes, long prompt and token budget."""
+    recorded = run("chunked-prefill-h200")
+    sizes = recorded.notes["sizes"]
+    return (recorded.records[0]["dtype"], recorded.notes["model"]["shape"]["hidden_size"], sizes["decodes"],
+            sizes["prompt"], sizes["budget"])
+
+
 LESSONS_05_06_07 = (
     Holds("05_cuda_graphs", "d7761079", "the GPU finishes it in a few microseconds",
           lambda: mlp(Impl.SHARE_SWIGLU, 1) < 10, "lesson 01's swiglu kernel at T=1, under 10 µs"),
@@ -365,9 +373,7 @@ LESSONS_05_06_07 = (
           "tokens/s of the recorded ladder"),
     Holds("07_serving_engine", "dcf821c8", "the Llama-3.2-1B-shaped model in bfloat16, 32 running decodes, one "
           "4,096-token prompt, a 512-token budget",
-          lambda: (lambda run: (run.records[0]["dtype"], run.notes["model"]["shape"]["hidden_size"],
-                                run.notes["sizes"]["decodes"], run.notes["sizes"]["prompt"], run.notes["sizes"]["budget"])
-                   == ("bfloat16", 2048, 32, 4096, 512))(results.load("chunked-prefill-h200")),
+          lambda: chunked_prefill_case() == ("bfloat16", 2048, 32, 4096, 512),
           "the recorded H200 run's dtype, model and sizes"),
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",

@@ -118,7 +118,8 @@ def test_a_share_of_the_gpu_scales_the_memory_budget_and_nothing_else(on_gpu, mo
     runtime.gpu_profile.cache_clear()
     monkeypatch.setenv("LESSONLIB_GPU_SHARE", "0.4")
     shared = runtime.gpu_profile()
-    assert shared.memory_budget == int(0.75 * 0.4 * whole.memory_bytes) and whole.memory_budget == int(0.75 * whole.memory_bytes)
+    assert whole.memory_budget == int(0.75 * whole.memory_bytes)
+    assert shared.memory_budget == int(0.75 * 0.4 * whole.memory_bytes)
     assert (shared.memory_bytes, shared.small, shared.capability) == (whole.memory_bytes, whole.small, whole.capability)
     capped = [] if key == "native" else [pytest.approx(whole.memory_bytes / H200.total_memory)] * 2
     assert on_gpu.fractions == capped  # the emulated card's cap, the same with a share as without
