@@ -8,6 +8,7 @@ stated where the text says "about" or "a few"; elsewhere a figure must round to 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
@@ -332,6 +333,13 @@ def chunked_prefill_case() -> tuple:
             sizes["prompt"], sizes["budget"])
 
 
+def saturation_ratios() -> list[float]:
+    """Chunked over prefill-first output tokens/s at saturation: the committed serving run and the earlier run of the
+    same session, kept in benchmarks/experiments/results/."""
+    earlier = results.load(ROOT / "benchmarks/experiments/results/serving-h200-earlier-run.json")
+    return [r.notes["targets"]["saturation_chunked_over_prefill_first"] for r in (run("serving-h200"), earlier)]
+
+
 LESSONS_05_06_07 = (
     Holds("05_cuda_graphs", "d7761079", "the GPU finishes it in a few microseconds",
           lambda: mlp(Impl.SHARE_SWIGLU, 1) < 10, "lesson 01's swiglu kernel at T=1, under 10 µs"),
@@ -375,6 +383,17 @@ LESSONS_05_06_07 = (
           "4,096-token prompt, a 512-token budget",
           lambda: chunked_prefill_case() == ("bfloat16", 2048, 32, 4096, 512),
           "the recorded H200 run's dtype, model and sizes"),
+    Holds("07_serving_engine", "aa3a828d", "The rates double, so a knee ratio is a power of two: 2x means one rate "
+          "step higher.", lambda: all(b == 2 * a for a, b in itertools.pairwise(run("serving-h200").notes["sizes"][
+              "rates"])), "the recorded run's rates, each twice the one before"),
+    Holds("07_serving_engine", "aa3a828d", "each rate is one burst of at most 250 requests",
+          lambda: run("serving-h200").notes["sizes"]["requests"][1] == 250, "the recorded run's request bound"),
+    Holds("07_serving_engine", "aa3a828d", "moved the chunked / prefill-first ratio by more than the 5% the target "
+          "allows, in both directions", lambda: min(saturation_ratios()) < 0.95 and max(saturation_ratios()) > 1.05,
+          "the two H200 runs of 2026-12-03: one under 0.95, one over 1.05"),
+    Holds("07_serving_engine", "aa3a828d", "not as a measured 5%",
+          lambda: run("serving-h200").notes["targets"]["targets"]["saturation_chunked_over_prefill_first"] == 0.95,
+          "the target the run checks: 0.95"),
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",
           "the live ladder's stored output: the plain rung's seconds the least"),

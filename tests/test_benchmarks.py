@@ -3,6 +3,7 @@ tables build on CPU and use only labels lessonlib.results declares; the committe
 and the peers the notebooks plot."""
 
 import importlib
+import math
 import random
 import subprocess
 import sys
@@ -361,6 +362,45 @@ def test_a_request_cut_by_the_benchmarks_deadline_is_not_past_the_knee_but_a_ser
     assert bench_serving.past_knee({**row, "cut_by_deadline": 0})
     assert bench_serving.past_knee({**row, "ttft_ms": {"p99": 2000.0}})
     assert bench_serving.past_knee({"ttft_ms": {"p99": 10.0}, "failed": 1})  # a record without the count: an error
+
+
+def test_a_knee_no_rate_passed_is_a_lower_bound_and_decides_only_what_it_can():
+    """A server whose time ran out before a rate past its knee has a knee of at least its highest rate: against a
+    peer's unreached knee our ratio is an upper bound (a 'met' undecided, a 'missed' still missed), against our own
+    unreached knee a lower bound (a 'met' still met); the latencies at an unreached peer knee are recorded, undecided."""
+    import bench_serving
+
+    rng = random.Random()
+    peer_top = 2.0 ** rng.randrange(1, 4)  # the peer's last rate, still under its knee
+
+    def verdicts(ours_knee, ours_top):
+        records = [serving_row(Impl.HF_SERVE, 2.0 ** k, rng.uniform(50, 1999), 40.0, 500.0)
+                   for k in range(1, int(math.log2(peer_top)) + 1)]
+        for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
+            records += [serving_row(impl, 2.0 ** k, 2500.0 if 2.0 ** k > ours_knee else 15.0, 10.0, 1000.0)
+                        for k in range(1, int(math.log2(ours_top)) + 1)]
+        return bench_serving.targets(records)
+
+    got = verdicts(ours_knee=4 * peer_top, ours_top=8 * peer_top)  # ours reached, 4x an unreached peer knee
+    assert got["knee_reached"] == {Impl.HF_SERVE: False, Impl.SERVER_CHUNKED_PREFILL: True,
+                                   Impl.SERVER_NO_CHUNKED_PREFILL: True}
+    assert got["knee_rate"][Impl.HF_SERVE] == peer_top
+    verdict = got[Impl.SERVER_CHUNKED_PREFILL]
+    assert verdict["knee_rate_over_peer"] == 4 and verdict["met_knee"] is None
+    assert verdict["p99_over_peer_at_peer_knee"]["itl_ms"] == 0.25 and verdict["met_latency_at_peer_knee"] is None
+    assert verdicts(ours_knee=peer_top, ours_top=2 * peer_top)[Impl.SERVER_CHUNKED_PREFILL]["met_knee"] is False
+    # ours unreached at twice the peer's rate: a lower bound of 2x, met only if the peer's knee is known
+    got = verdicts(ours_knee=4 * peer_top, ours_top=2 * peer_top)
+    assert got["knee_reached"][Impl.SERVER_CHUNKED_PREFILL] is False
+    assert got[Impl.SERVER_CHUNKED_PREFILL]["met_knee"] is None  # neither knee known
+    # in words: the peer's knee as a lower bound, the verdicts it cannot decide said so
+    records = [serving_row(Impl.HF_SERVE, peer_top, 100.0, 40.0, 500.0)]
+    records += [serving_row(impl, 2.0 ** k, 2500.0 if k > 6 else 15.0, 10.0, 1000.0)
+                for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL) for k in range(1, 8)]
+    text = plots.serving_targets(results.Results(Benchmark.SERVING, "test", results.environment(), {}, records,
+                                                 {"targets": bench_serving.targets(records)}))
+    assert f"{Impl.HF_SERVE:42s} at least {peer_top:g} requests/s (its time ran out first)" in text, text
+    assert text.count("undecided: transformers' knee was not reached") == 4, text
 
 
 def test_serving_targets_are_read_from_the_records():

@@ -65,25 +65,35 @@ def serving_targets(results: Results) -> str:
            and "error" not in r}
     lines = [f"each server's knee, the highest request rate whose p99 time to first token stays under "
              f"{notes['ttft_knee_s']:g} s:"]
-    lines += [f"  {server:42s} {_rate(rate) if server in ran else 'not measured (its error: in the figure)'}"
+    reached = notes.get("knee_reached", {})
+    lines += [f"  {server:42s} {_rate(rate, reached.get(server) is not False) if server in ran else _NOT_RUN}"
               for server, rate in notes["knee_rate"].items()]
+    peer_undecided = "undecided: transformers' knee was not reached" if reached.get(Impl.HF_SERVE) is False else None
     for server in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
         verdict = notes[server]
         p99 = verdict.get("p99_over_peer_at_peer_knee", {})
+        undecided = peer_undecided or ("undecided: its knee was not reached" if reached.get(server) is False else None)
+        knee_met = _met(verdict["met_knee"], undecided)
+        latency_met = _met(verdict["met_latency_at_peer_knee"], peer_undecided)
         lines += [f"{server}, against transformers' server:",
                   f"  knee {_times(verdict['knee_rate_over_peer'], PEER)} (target: at least "
-                  f"{goal['knee_rate_over_peer']:g}x): {_met(verdict['met_knee'])}",
+                  f"{goal['knee_rate_over_peer']:g}x): {knee_met}",
                   f"  at transformers' knee rate, p99 TTFT {_times(p99.get('ttft_ms'), PEER)}, p99 ITL "
                   f"{_times(p99.get('itl_ms'), PEER)} (target: at most "
-                  f"{goal['latency_over_peer_at_its_knee']:g}x each): {_met(verdict['met_latency_at_peer_knee'])}"]
+                  f"{goal['latency_over_peer_at_its_knee']:g}x each): {latency_met}"]
     lines.append(f"output tokens/s at saturation, chunked prefill over prefill-first: "
                  f"{_times(notes['saturation_chunked_over_prefill_first'])} (target: at least "
                  f"{goal['saturation_chunked_over_prefill_first']:g}x): {_met(notes['met_saturation'])}")
     return "\n".join(lines)
 
 
-def _rate(rate: float | None) -> str:
-    return "none: even the lowest rate is past it" if rate is None else f"{rate:g} requests/s"
+_NOT_RUN = "not measured (its error: in the figure)"
+
+
+def _rate(rate: float | None, reached: bool = True) -> str:
+    if rate is None:
+        return "none: even the lowest rate is past it"
+    return f"{rate:g} requests/s" if reached else f"at least {rate:g} requests/s (its time ran out first)"
 
 
 PEER = " transformers'"  # what a ratio of the targets is taken over
@@ -93,5 +103,5 @@ def _times(ratio: float | None, of: str = "") -> str:
     return "not measured" if ratio is None else f"{ratio:.2f}x{of}"
 
 
-def _met(met: bool | None) -> str:
-    return "not measured" if met is None else "met" if met else "missed"
+def _met(met: bool | None, undecided: str | None = None) -> str:
+    return (undecided or "not measured") if met is None else "met" if met else "missed"
