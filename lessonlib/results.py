@@ -320,7 +320,8 @@ class Results:
         """The GPU, the versions, the date, and for a loaded file that file and the command that rewrites it. The
         recorded command names where the run wrote on its own machine (``--out /root/out/x.json``); a reader needs
         the file the numbers are read from, so a committed file is named by its path in the repository and the
-        command's ``--out`` points there (the rest of the command is the one that ran)."""
+        command's ``--out`` points there; ``--logs`` (where bench_serving.py put the servers' logs, on that machine)
+        is left out, as the default folder serves a rerun (the rest of the command is the one that ran)."""
         env = self.environment
         where = "a CPU (no GPU)" if env["gpu"] == NO_GPU else env["gpu"]
         head = f"recorded on {where}, torch {env['torch']}, triton {env['triton']}, {env['date'][:10]}"
@@ -329,6 +330,7 @@ class Results:
         path = Path(self.path).resolve()
         file = f"lessonlib/results/{path.name}" if path.parent == RESULTS_DIR.resolve() else str(self.path)
         command = re.sub(r"--out(=|\s+)\S+", lambda _: f"--out {file}", self.command)
+        command = re.sub(r"\s+--logs(=|\s+)\S+", "", command)
         return f"{head}; file: {file}; rerun: {command}"
 
     def recorded_ceilings(self) -> Ceilings:
