@@ -393,7 +393,8 @@ def main() -> None:
                 run.add(Op.SERVING, impl, {}, error=why)
                 continue
             # its share of the time left (transformers' the larger: each of its rates takes its whole drain)
-            weights = [PEER_SHARE if later == Impl.HF_SERVE else 1.0 for later, _ in table[i:]]
+            weights = [PEER_SHARE if later == Impl.HF_SERVE else 1.0 for later, (_, _, skip) in table[i:]
+                       if skip is None]
             until = time.monotonic() + (began + args.budget_s - time.monotonic()) * weights[0] / sum(weights)
             name = str(model) if impl == Impl.HF_SERVE else "model"  # transformers serves a model by its path
             log = logs / f"{re.sub(r'[^a-z0-9]+', '_', impl)}.log"

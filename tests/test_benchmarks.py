@@ -373,9 +373,11 @@ def test_a_knee_no_rate_passed_is_a_lower_bound_and_decides_only_what_it_can():
     rng = random.Random()
     peer_top = 2.0 ** rng.randrange(1, 4)  # the peer's last rate, still under its knee
 
-    def verdicts(ours_knee, ours_top):
+    def verdicts(ours_knee, ours_top, peer_reached=False):
         records = [serving_row(Impl.HF_SERVE, 2.0 ** k, rng.uniform(50, 1999), 40.0, 500.0)
                    for k in range(1, int(math.log2(peer_top)) + 1)]
+        if peer_reached:  # one rate more, past the peer's knee
+            records.append(serving_row(Impl.HF_SERVE, 2 * peer_top, 2500.0, 40.0, 500.0))
         for impl in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
             records += [serving_row(impl, 2.0 ** k, 2500.0 if 2.0 ** k > ours_knee else 15.0, 10.0, 1000.0)
                         for k in range(1, int(math.log2(ours_top)) + 1)]
@@ -393,6 +395,9 @@ def test_a_knee_no_rate_passed_is_a_lower_bound_and_decides_only_what_it_can():
     got = verdicts(ours_knee=4 * peer_top, ours_top=2 * peer_top)
     assert got["knee_reached"][Impl.SERVER_CHUNKED_PREFILL] is False
     assert got[Impl.SERVER_CHUNKED_PREFILL]["met_knee"] is None  # neither knee known
+    got = verdicts(ours_knee=4 * peer_top, ours_top=2 * peer_top, peer_reached=True)
+    assert got[Impl.SERVER_CHUNKED_PREFILL]["met_knee"] is True  # at least 2x a known knee
+    assert got[Impl.SERVER_CHUNKED_PREFILL]["met_latency_at_peer_knee"] is True  # TTFT 15 / >= 50 ms, ITL 10 / 40
     # in words: the peer's knee as a lower bound, the verdicts it cannot decide said so
     records = [serving_row(Impl.HF_SERVE, peer_top, 100.0, 40.0, 500.0)]
     records += [serving_row(impl, 2.0 ** k, 2500.0 if k > 6 else 15.0, 10.0, 1000.0)
