@@ -333,11 +333,12 @@ def chunked_prefill_case() -> tuple:
             sizes["prompt"], sizes["budget"])
 
 
-def saturation_ratios() -> list[float]:
+@functools.lru_cache(maxsize=None)
+def saturation_ratios() -> tuple[float, ...]:
     """Chunked over prefill-first output tokens/s at saturation: the committed serving run and the earlier run of the
     same session, kept in benchmarks/experiments/results/."""
     earlier = results.load(ROOT / "benchmarks/experiments/results/serving-h200-earlier-run.json")
-    return [r.notes["targets"]["saturation_chunked_over_prefill_first"] for r in (run("serving-h200"), earlier)]
+    return tuple(r.notes["targets"]["saturation_chunked_over_prefill_first"] for r in (run("serving-h200"), earlier))
 
 
 LESSONS_05_06_07 = (
