@@ -18,15 +18,22 @@ GPU. Without ``.triton-colab/`` those cases skip, saying so (in CI, where ``make
 Each profile compiles in its own process (``LESSONLIB_MODE=compile``: kernels defined for the compiler while this
 test process runs the interpreter), with the profile named by ``LESSONLIB_GPU_PROFILE``, so the configurations come
 from the launchers' own ``runtime.gpu_profile()`` path, as they would on that GPU or under emulation. Compiled
-kernels are cached in ``scratch/cache/triton-compile-targets``: a rerun with unchanged kernels takes seconds.
+kernels are kept between runs in the user's cache folder (:func:`compile_cache`), outside the checkout: a fresh clone
+on the same machine (CI's, a developer's) compiles only the kernels that changed. Triton's cache key covers the
+kernel's source and every function it calls, the constants and options, the target, the Triton build (its version and
+its compiler's own files, ptxas included) and the environment variables that change a compile, so a kept entry stands
+only for an identical compile: a rerun checks the same shared memory on the same cubin. A cold cache (a new machine)
+takes about ten minutes of CPU here; a warm one, seconds.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -75,13 +82,36 @@ def _colab_triton_missing() -> str | None:
     return None
 
 
+KEEP_DAYS = 30  # a kept compile not written for this long is dropped (Triton's cache never shrinks by itself)
+
+
+def compile_cache() -> Path:
+    """Where the compiled kernels are kept between runs: ``$XDG_CACHE_HOME/lessonlib/triton-compile-targets`` (by
+    default under ``~/.cache``). Only each kernel's binary and metadata are kept (``TRITON_STORE_BINARY_ONLY``:
+    about a tenth of the bytes); entries older than ``KEEP_DAYS`` are removed when the test starts."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return base / "lessonlib" / "triton-compile-targets"
+
+
+def drop_old_entries(cache: Path, days: float = KEEP_DAYS) -> int:
+    """Remove the cache's entries (one folder per compiled kernel) last written more than ``days`` ago; how many."""
+    if not cache.is_dir():
+        return 0
+    cutoff, dropped = time.time() - days * 86400, 0
+    for entry in cache.iterdir():
+        if entry.is_dir() and entry.stat().st_mtime < cutoff:
+            shutil.rmtree(entry, ignore_errors=True)
+            dropped += 1
+    return dropped
+
+
 def _compile(profile: str, triton: str = "installed", *extra: str) -> list[dict]:
     """The tool's records for ``profile``, compiled in a process of its own under this environment's Triton or
     (``triton="colab"``) under Colab's, put first on the path."""
     path = [str(COLAB_TRITON)] if triton == "colab" else []
     env = dict(os.environ, LESSONLIB_MODE="compile", LESSONLIB_GPU_PROFILE=profile,
                PYTHONPATH=os.pathsep.join([*path, str(ROOT)]),
-               TRITON_CACHE_DIR=str(runtime.scratch_dir() / "cache" / "triton-compile-targets"))
+               TRITON_CACHE_DIR=str(compile_cache()), TRITON_STORE_BINARY_ONLY="1")
     env.pop("TRITON_INTERPRET", None)
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is the default it keeps
     run = subprocess.run([sys.executable, str(TOOL), "--json", *extra], capture_output=True, text=True, env=env,
@@ -96,6 +126,7 @@ def compiled() -> dict[tuple[str, str], list[dict]]:
     """Records of every compiled kernel, by (Triton, profile). Two processes at a time: CI has two cores."""
     tritons = [t for t in TRITONS if t != "colab" or _colab_triton_missing() is None]
     jobs = [(triton, profile) for triton in tritons for profile in TARGETS]
+    drop_old_entries(compile_cache())
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = pool.map(lambda job: _compile(job[1], job[0], *(("--plant",) if job[1] == PLANTED_ON else ())),
                            jobs)
@@ -247,3 +278,15 @@ def test_compile_mode_defines_kernels_for_the_compiler_and_launches_nothing():
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "compile only" in run.stdout and "Tesla T4" in run.stdout
+
+
+def test_old_cache_entries_are_dropped_and_recent_ones_kept(tmp_path):
+    old, recent = tmp_path / "old", tmp_path / "recent"
+    for entry in (old, recent):
+        entry.mkdir()
+        (entry / "kernel.json").write_text("{}")
+    long_ago = time.time() - (KEEP_DAYS + 1) * 86400
+    os.utime(old, (long_ago, long_ago))
+    assert drop_old_entries(tmp_path) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["recent"]
+    assert drop_old_entries(tmp_path / "missing") == 0
