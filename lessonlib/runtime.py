@@ -17,6 +17,10 @@ mode is decided here, before triton.language is imported and before any of lesso
 ``lessonlib.ops`` calls :func:`mode` first thing. Importing ``lessonlib`` imports no Triton and never locks a mode;
 if something imported Triton in the other mode first, :func:`mode` says so instead of letting kernels fail later.
 
+In interpreter mode :func:`mode` also installs :mod:`lessonlib._interpreter`: Triton's interpreter without its
+re-patching of triton.language at every helper call (the same results, two to three times faster in kernels that
+call helpers).
+
 Override with the environment variable ``LESSONLIB_MODE=interpreter`` (e.g. to run the interpreter on a GPU
 machine). ``TRITON_INTERPRET=1`` set by the user is honoured as well.
 """
@@ -54,6 +58,10 @@ def mode() -> str:
         if os.environ.get("LESSONLIB_PEAK_MEMORY_LOG"):
             _record_peak_memory(os.environ["LESSONLIB_PEAK_MEMORY_LOG"])
     _check_triton_language(chosen)
+    if chosen == "interpreter":
+        from lessonlib import _interpreter
+
+        _interpreter.install()  # helpers no longer re-patch triton.language per call: the same results, faster
     return chosen
 
 
