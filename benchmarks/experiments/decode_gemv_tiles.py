@@ -40,6 +40,9 @@ SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head_dim
     "Qwen2.5-0.5B": (896, 4864, 24, 14, 2, 64),
     "smoke": (64, 96, 2, 4, 2, 16),
 }
+# Each epilogue's best candidate of the H200 sweep of 2026-12-03 (session 15), tried one at a time; timed here
+# together, interleaved with GPU_TILES rows (their spread is the run's noise), before they become the defaults.
+TOGETHER = {decode_gemv.ROPE_KV: (4, 2048, 4), decode_gemv.SWIGLU: (4, 2048, 4)}
 CANDIDATES = {  # (BLOCK_N, BLOCK_K, num_warps) per epilogue, tried one epilogue at a time, the others at GPU_TILES
     decode_gemv.RESIDUAL: [(4, 2048, 4), (8, 1024, 4), (2, 4096, 4), (4, 2048, 8), (8, 2048, 8)],  # o, down
     decode_gemv.SWIGLU: [(8, 1024, 4), (4, 2048, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 8)],  # gate_up
@@ -99,7 +102,11 @@ def chains(shape, dtype):
 
 def with_tiles(epilogue, tiles):
     """decode_gemv.config with ``tiles`` for one epilogue, GPU_TILES for the others."""
-    table = {**decode_gemv.GPU_TILES, epilogue: tiles}
+    return with_table({**decode_gemv.GPU_TILES, epilogue: tiles})
+
+
+def with_table(table):
+    """decode_gemv.config with ``table`` ({epilogue: (BLOCK_N, BLOCK_K, num_warps)}) in place of GPU_TILES."""
 
     def config(n_out, k, which):
         block_n, block_k, warps = table[which]
@@ -132,6 +139,13 @@ def main():
                     label = {decode_gemv.RESIDUAL: "o/down", decode_gemv.SWIGLU: "gate_up", decode_gemv.ROPE_KV: "qkv"}
                     rows.append(("fused (4 kernels per layer)", f"{label[epilogue]} {tiles}",
                                  time_graph(fused).median_us))
+            for round_ in range(3):  # the winners together, each round beside a GPU_TILES row
+                decode_gemv.config = default
+                rows.append(("fused (4 kernels per layer)", f"GPU_TILES, round {round_ + 1}",
+                             time_graph(fused).median_us))
+                decode_gemv.config = with_table({**decode_gemv.GPU_TILES, **TOGETHER})
+                rows.append(("fused (4 kernels per layer)", f"qkv and gate_up together, round {round_ + 1}",
+                             time_graph(fused).median_us))
             decode_gemv.config = default
         for label, tiles, us in rows:
             print(f"{name:14s} {label:30s} tiles {tiles}: {us:8.1f} us, weight-read limit {limit_us:6.1f} us "
