@@ -165,14 +165,17 @@ def trimmed_run(tmp_path_factory):
             "import sys, types\nsys.modules['lessonlib.exercises'] = types.SimpleNamespace(\n"
             "    check_free_sequence=lambda fn: print('correct'))\n" + cell(stub, "my_free_sequence").source)),
         # A notebook that misbehaves: graded for what ran.
-        "hangs": edited(instructor, my_free_sequence=(  # interrupted at the cell limit; the notebook goes on
-            "def my_free_sequence(table, ref_counts, free_blocks):\n    while True:\n        pass\n")),
+        # Interrupted at the cell limit; the notebook goes on. The loop sleeps: an interrupt stops it as it stops a
+        # busy one, without burning a core for the limit's 40 s twice (the notebook's run and the scoring run).
+        "hangs": edited(instructor, my_free_sequence=(
+            "import time\n\ndef my_free_sequence(table, ref_counts, free_blocks):\n    while True:\n"
+            "        time.sleep(0.05)\n")),
         "hangs_hard": edited(instructor, my_free_sequence=(  # ignores the interrupt: the kernel is killed
             "import time\nwhile True:\n    try:\n        time.sleep(0.1)\n    except KeyboardInterrupt:\n"
             "        pass\n")),
         "exits": edited(instructor, my_free_sequence="import os\nos._exit(1)\n"),
         "floods": edited(instructor, my_physical_slot=right["my_physical_slot"] + (
-            "\n\nfor _ in range(50_000):\n    print('x' * 1000)\n")),  # 50 MB
+            "\n\nfor _ in range(5_000):\n    print('x' * 1000)\n")),  # 5 MB: 50x the output cap, 5x the log's
         "raises_and_writes": edited(instructor, my_physical_slot=right["my_physical_slot"] + (
             "\n\nimport tempfile\nfrom pathlib import Path\n"
             "paths = [Path('written.txt'), Path.home() / 'home.txt', Path(tempfile.mkstemp()[1])]\n"
