@@ -68,8 +68,8 @@ def test_a_cancelled_stream_frees_its_blocks_and_the_other_request_runs_on(llm):
         cut = engine.generate(cut_prompt, greedy(70), request_id="cut")
         first_kept, first_cut = await asyncio.gather(kept.__anext__(), cut.__anext__())  # admitted together
         kept_seq, cut_seq = engine._streams["kept"].seqs[0], engine._streams["cut"].seqs[0]
-        both = llm.num_blocks_in_use()
-        assert len(llm.scheduler.running) == 2 and both == len(kept_seq.block_table) + len(cut_seq.block_table)
+        both, cut_held = llm.num_blocks_in_use(), len(cut_seq.block_table)
+        assert len(llm.scheduler.running) == 2 and both == len(kept_seq.block_table) + cut_held and cut_held > 0
         cut_tokens = len((await cut.__anext__()).outputs[0].token_ids)
         await cut.aclose()  # the consumer stops: the request is aborted
         for _ in range(100):  # the abort lands when the step running now returns
@@ -79,12 +79,14 @@ def test_a_cancelled_stream_frees_its_blocks_and_the_other_request_runs_on(llm):
         alone, kept_held = llm.num_blocks_in_use(), len(kept_seq.block_table)
         rest = [out async for out in kept]
         await engine.shutdown()
-        return first_cut, cut_seq, both, cut_tokens, alone, kept_held, rest, engine.num_aborted
+        return first_cut, cut_seq, cut_tokens, alone, kept_held, rest, engine.num_aborted
 
-    first_cut, cut_seq, both, cut_tokens, alone, kept_held, rest, aborted = asyncio.run(run())
+    first_cut, cut_seq, cut_tokens, alone, kept_held, rest, aborted = asyncio.run(run())
     assert not first_cut.finished and cut_tokens < 70 and aborted == 1
     assert cut_seq.finish_reason == "abort" and cut_seq.block_table == [] and len(cut_seq.output_token_ids) < 70
-    assert alone == kept_held < both, f"blocks in use: {both} with both, {alone} after the cut"
+    # Only the kept request's blocks are in use. (Not "fewer than with both": the kept request goes on decoding
+    # while the abort lands, and may take new blocks, as many as the cut one freed, in that time.)
+    assert alone == kept_held, f"blocks in use after the cut: {alone}; the kept request holds {kept_held}"
     assert rest[-1].finished and len(rest[-1].outputs[0].token_ids) == 30
     if DTYPE == torch.float32:  # in 16 bits a batch of two and a lone request may part at a near-tie
         assert rest[-1].outputs[0].token_ids == kept_offline
