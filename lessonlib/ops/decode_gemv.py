@@ -185,18 +185,24 @@ def _decode_gemv_kernel(
 
 
 # GPU tiles (BLOCK_N outputs, BLOCK_K, warps) per epilogue: each reads the bytes per program ops.gemv's H200 sweep
-# chose for the same matrix (benchmarks/experiments/decode_layer_pdl.py): qkv 4 rows x 2048 (here 2 pairs), gate_up
-# 16 rows x 1024 (8 pairs), o and down 4 rows x 2048. Not yet swept with the prologue and epilogues:
-# benchmarks/experiments/decode_gemv_tiles.py times the candidates.
-GPU_TILES = {STORE: (4, 2048, 4), RESIDUAL: (4, 2048, 4), SWIGLU: (8, 1024, 4), ROPE_KV: (2, 2048, 4)}
+# chose for the same matrix (benchmarks/experiments/decode_layer_pdl.py): qkv 4 rows x 2048 (here 2 pairs), o and
+# down 4 rows x 2048; gate_up 4 rows x 2048 (8 x 1024 before: the whole batch-1 step 2% faster on the Llama-3.2-1B
+# shape, the same on Qwen2.5-0.5B's, in benchmarks/experiments/decode_step_tiles.py).
+GPU_TILES = {STORE: (4, 2048, 4), RESIDUAL: (4, 2048, 4), SWIGLU: (4, 2048, 4), ROPE_KV: (2, 2048, 4)}
 
 
 def config(n_out: int, k: int, epilogue: int) -> dict:
-    """Tiles: :data:`GPU_TILES` on a GPU (BLOCK_K no wider than K); in the interpreter, where each program instance
-    costs milliseconds of Python whatever its size, as few programs as the arrays allow."""
+    """Tiles: :data:`GPU_TILES` on a GPU, BLOCK_K no wider than K; where K is narrower, qkv's programs take as many
+    more pairs as BLOCK_K lost, so each still reads the table's bytes (Qwen2.5-0.5B's K = 896: 4 pairs x 1024, its
+    batch-1 step 5% faster than at 2 x 1024; the other epilogues were no faster so: decode_step_tiles.py). In the
+    interpreter, where each program instance costs milliseconds of Python whatever its size, as few programs as the
+    arrays allow."""
     if runtime.gpu_profile() is not None:
         block_n, block_k, warps = GPU_TILES[epilogue]
-        return {"BLOCK_N": block_n, "BLOCK_K": min(block_k, next_power_of_2(k)), "num_warps": warps}
+        narrowed = min(block_k, next_power_of_2(k))
+        if epilogue == ROPE_KV:
+            block_n *= block_k // narrowed
+        return {"BLOCK_N": block_n, "BLOCK_K": narrowed, "num_warps": warps}
     return {"BLOCK_N": min(next_power_of_2(n_out), 256), "BLOCK_K": min(next_power_of_2(k), 256), "num_warps": 4}
 
 

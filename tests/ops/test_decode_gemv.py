@@ -142,8 +142,11 @@ def test_the_gpus_own_tiles(monkeypatch):
     the interpreter or on this GPU): K=2048 in one tile, a few outputs per program, every epilogue."""
     monkeypatch.setattr(runtime, "gpu_profile", lambda: runtime.PROFILES["h200"])
     assert module.config(16, 2048, module.ROPE_KV) == {"BLOCK_N": 2, "BLOCK_K": 2048, "num_warps": 4}
+    assert module.config(16, 896, module.ROPE_KV) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}  # same bytes
+    assert module.config(16, 896, module.SWIGLU) == {"BLOCK_N": 4, "BLOCK_K": 1024, "num_warps": 4}
     dtype = torch.float32
     check_qkv(qkv_inputs(1, 2, 1, 8, 2048, dtype), 2, 1)
+    check_qkv(qkv_inputs(1, 2, 1, 8, 900, dtype), 2, 1)  # K 900: 4 pairs per program, BLOCK_K 1024 with a ragged end
     check_decode_gemv(1, 2 * 9, 2048, dtype, norm=True, activation="swiglu", with_residual=False, with_bias=False)
     check_decode_gemv(1, 9, 2100, dtype, norm=False, activation=None, with_residual=True, with_bias=False)
 
