@@ -110,6 +110,20 @@ def test_every_exercise_has_nbgrader_metadata():
         validator.validate_nb(read(name))
 
 
+def test_every_name_resolves_and_the_scoring_process_imports_no_notebook_library():
+    """lessonlib.grading's names are imported on first use: each one resolves, and the scoring process (a plain
+    python importing lessonlib.grading.scoring) loads neither nbformat nor nbclient (nbformat's import costs seconds
+    of CPU in every graded notebook's scoring run)."""
+    assert all(getattr(grading, name) is not None for name in grading.__all__)
+    assert set(grading.__all__) <= set(dir(grading))
+    with pytest.raises(AttributeError, match="no attribute 'nothing'"):
+        grading.nothing  # noqa: B018
+    probe = ("import sys, lessonlib.grading.scoring; "
+             "print(sorted(m for m in ('nbformat', 'nbclient', 'jsonschema') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
+
+
 def test_readme_lists_every_exercise():
     section = (ROOT / "README.md").read_text().split("## For instructors", 1)[1].split("\n## ", 1)[0]
     missing = [e.name for listed in grading.course_exercises(NOTEBOOKS).values() for e in listed

@@ -50,8 +50,8 @@ if [ "$vllm" = cpu ]; then
 fi
 # rfc3987-syntax (jupyter-events asks for jsonschema[format-nongpl]) checks one JSON Schema format, "iri", that no
 # Jupyter or course schema uses; jsonschema imports it eagerly, and the import builds ~35 Earley parsers: 3.7 s of CPU
-# in every process that imports nbformat (nbclient, nbgrader, nbval, the Jupyter server: 34 in a test run). Without
-# it jsonschema leaves "iri" unchecked and starts at once.
+# in every process that imports jsonschema (nbformat, nbclient, nbgrader, nbval, the Jupyter server: a test run's
+# CPU fell by nearly a quarter without it). Without it jsonschema leaves "iri" unchecked and starts at once.
 "$venv/bin/uv" pip uninstall -q --python "$venv/bin/python" rfc3987-syntax
 # Colab's Triton, the one students compile with, beside the newest: only the triton package (--no-deps: torch and the
 # rest are the venv's), in a folder that tests/ops/test_compile_targets.py puts first on PYTHONPATH to compile every
