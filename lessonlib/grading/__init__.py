@@ -106,7 +106,4 @@ def __dir__():
     return sorted(set(globals()) | set(_MODULE_OF))
 
 
-__all__ = ["BEGIN", "COURSE_NOTEBOOKS", "END", "Box", "CourseChanged", "Exercise", "KERNEL_SIDE", "Limits",
-           "NotebookReport", "Outcome", "PRELUDE", "ROOT", "SandboxUnavailable", "apart", "checker_cell",
-           "configure_nbgrader", "course_exercises", "course_hash", "exercises", "grade", "grade_notebook", "lock",
-           "main", "plan", "strip_solutions", "student_copy"]
+__all__ = sorted(_MODULE_OF)
