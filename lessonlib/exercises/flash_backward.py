@@ -22,11 +22,14 @@ from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _not_implem
 from lessonlib.exercises.triton_basics import _require_kernel, _run, check_guards, guarded
 from lessonlib.testing import ROUNDINGS, to_float64
 
-FLASH_DKDV_CASES = (  # (batch, heads, n_q, n_kv, head_dim): one key, ragged tiles, Nq != Nkv, several tiles each way
-    (1, 1, 1, 1, 16),
+# (batch, heads, n_q, n_kv, head_dim): ragged tiles, Nq != Nkv, several tiles each way, and one key last: a single
+# key's dK is 0 whatever the mistake (its softmax is 1), so a mistake is named on the shapes before it; at one key a
+# mistake that only scales dK's rounding noise (no final sm_scale) could fail unnamed.
+FLASH_DKDV_CASES = (
     (1, 2, 7, 20, 16),
     (2, 1, 37, 9, 32),
     (1, 2, 45, 33, 16),
+    (1, 1, 1, 1, 16),
 )
 
 
