@@ -291,7 +291,8 @@ def main():
         "--qwen-shape": "a Qwen2.5-0.5B-shaped model instead of Llama-3.2-1B's (no ladder)",
         "--no-ladder": "everything but the tokens/s ladder; an --out file's ladder (records, notes) is kept"})
     dtype = runtime.dtype(cpu=torch.float32)
-    run = bench.Run(Benchmark.ENGINE, smoke=args.smoke, check_only=args.check, dtype=dtype)
+    run = bench.Run(Benchmark.ENGINE_QWEN if args.qwen_shape else Benchmark.ENGINE, smoke=args.smoke,
+                    check_only=args.check, dtype=dtype)
     started = time.perf_counter()
     warm_up_gpu()
     folder = Path(tempfile.mkdtemp(prefix="bench-engine-", dir=runtime.scratch_dir()))

@@ -27,10 +27,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import os  # noqa: E402
-
-os.environ.setdefault("LESSONLIB_FAST_LAUNCH", "1")  # the cached launch is opt-in; this benchmark times it
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

@@ -50,6 +50,7 @@ class Benchmark:
     CUDA_GRAPHS = "cuda_graphs"
     HEADLINE = "headline"
     ENGINE = "engine"
+    ENGINE_QWEN = "engine_qwen"  # issue 27: bench_engine.py --qwen-shape, a Qwen2.5-0.5B-shaped model (no ladder)
     ATTENTION_LAUNCHES = "attention_launches"  # lesson 02: naive attention's kernels against one fused launch
     PAGING_PAYOFF = "paging_payoff"  # lesson 03: the largest batch that fits, contiguous slabs against blocks
     CHUNKED_PREFILL = "chunked_prefill"  # lesson 07: one long prompt arriving among decodes, chunked or not

@@ -297,6 +297,15 @@ def _optin_shared_memory(props) -> int:
     return by_capability.get((props.major, props.minor), 48) * 1024
 
 
+def dtype_supported(dtype: torch.dtype) -> bool:
+    """``dtype in supported_dtypes()``, without building the tuple and comparing dtypes one by one: validation runs
+    on every op call."""
+    if dtype is torch.float32 or dtype is torch.float16:
+        return True
+    profile = gpu_profile()
+    return dtype is torch.bfloat16 and profile is not None and profile.has_bfloat16
+
+
 def supported_dtypes() -> tuple[torch.dtype, ...]:
     """Floating dtypes the kernels accept here (flash_attention takes fewer on a GPU: see
     ``ops.flash_attention.flash_attention_dtypes``). Triton's interpreter has no bfloat16 (its bf16 ``tl.dot`` returns

@@ -180,3 +180,10 @@ def test_bad_input_on_a_t4_is_refused_before_any_launch(on_gpu, monkeypatch):
     ok, message = sdpa.try_backend("CUDNN_ATTENTION", q, q, q)
     assert not ok and "cuDNN's fused attention needs sm_80" in message
     assert sdpa.available_backends() == ("EFFICIENT_ATTENTION", "MATH")
+
+
+@pytest.mark.parametrize("profile", [None, "t4", "h200"])
+def test_dtype_supported_is_membership_in_supported_dtypes(monkeypatch, profile):
+    monkeypatch.setattr(runtime, "gpu_profile", lambda: runtime.PROFILES[profile] if profile else None)
+    for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.float8_e4m3fn):
+        assert runtime.dtype_supported(dtype) == (dtype in runtime.supported_dtypes()), dtype

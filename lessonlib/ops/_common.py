@@ -33,16 +33,22 @@ def check_tensors(op: str, **tensors: torch.Tensor) -> torch.Tensor:
             raise TypeError(f"{op}: {name} must be a torch.Tensor, got {type(t).__name__}")
         if first is None:
             first_name, first, dtype, device = name, t, t.dtype, t.device
-            if dtype not in runtime.supported_dtypes():
+            if not runtime.dtype_supported(dtype):
                 _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
         elif t.dtype is not dtype or t.device != device:
             _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
         if not t.is_contiguous() and t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
             _raise_for(op, first_name, first, name, t, runtime.supported_dtypes())
-    if device.type != runtime.device().type:
+    if not (first.is_cuda if _kernels_on_cuda() else first.is_cpu):  # runtime.device()'s type, read cheaply
         where = "the GPU (mode 'gpu')" if runtime.on_gpu() else "the CPU (mode 'interpreter': no GPU)"
         raise ValueError(f"{op}: tensors are on {first.device}, but kernels run on {where}")
     return first
+
+
+@lru_cache(maxsize=None)
+def _kernels_on_cuda() -> bool:
+    """Whether ``runtime.device()`` (decided once per process) is a CUDA device."""
+    return runtime.device().type == "cuda"
 
 
 def _raise_for(op, first_name, first, name, t, supported):
@@ -58,8 +64,8 @@ def _raise_for(op, first_name, first, name, t, supported):
 
 def launch(kernel, grid, *args, **meta):
     """kernel[grid](*args, **meta), returning what Triton returns (on the GPU the compiled kernel: its n_regs and
-    n_spills). On the GPU, with ``LESSONLIB_FAST_LAUNCH=1`` (opt-in until a GPU run has checked it), a configuration
-    launched before goes straight to its compiled kernel's launcher (``_launcher.launch``: Triton's binder skipped).
+    n_spills). On the GPU a configuration launched before goes straight to its compiled kernel's launcher
+    (``_launcher.launch``: Triton's binder skipped; ``LESSONLIB_FAST_LAUNCH=0`` turns that off).
     In interpreter mode the launch is also named in torch.profiler traces, so launch counts work on CPU; on the GPU
     Triton's kernels show up in the profiler by themselves, at no extra cost."""
     if runtime.on_gpu():

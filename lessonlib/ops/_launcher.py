@@ -33,12 +33,18 @@ compiled in as 1), so the key refines Triton's own rule: :func:`works_here` chec
 ``native_specialize_impl`` and the binder's backend, that inputs of one key are specialized alike, before the
 first cached launch.
 
-Opt-in for now: ``LESSONLIB_FAST_LAUNCH=1`` turns it on. It was built and checked against Triton 3.6's and 3.9's
-source and with a stand-in driver, but has not yet run on a GPU; it becomes the default once the H200 run of
-tests/ops/test_launcher.py and benchmarks/bench_per_call.py has checked and timed it.
+On by default on a GPU (``LESSONLIB_FAST_LAUNCH=0`` turns it off): on the H200, tests/ops/test_launcher.py checked
+it bit for bit against the plain launch for every public op, and the whole suite ran with it (benchmarks/NOTES.md).
 
-Every launch of a process takes the plain path when: it runs in the interpreter, the environment does not set
-``LESSONLIB_FAST_LAUNCH=1``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
+With Triton 3.6 (Colab's and the H200 host's), the compiled kernel's launcher is a Python ``CudaLauncher`` whose
+``__call__`` only allocates scratch memory (none for the course's kernels) and calls ``self.launch``, a C function
+compiled for the kernel's signature. The cached launch calls that C function itself and passes each CUDA tensor as
+its address: for a tensor the C function calls ``data_ptr()`` and the driver's ``cuPointerGetAttribute``, for an int
+it takes the address as it is (:func:`_c_launch_of`; Triton 3.9's generic launcher has another form and keeps
+``CompiledKernel.run``). A CPU tensor is still passed as the tensor, so Triton's own error is raised for it.
+
+Every launch of a process takes the plain path when: it runs in the interpreter, the environment sets
+``LESSONLIB_FAST_LAUNCH=0``, or :func:`why_not` found at the first launch (outside a CUDA graph capture) that this
 Triton's launch does not have the form above, that its specialization is not the one the key assumes, that a launch
 hook was set, or that the probe kernel launched through :func:`launch` from the cache wrote other values than its
 plain launch. One call takes it when: a launch hook is set (a profiler such as proton reads the launch metadata),
@@ -47,12 +53,12 @@ the grid is not a tuple, an argument is not a tensor, an int (not a bool) or a f
 constexpr is passed positionally. Not watched: Triton settings that change the compile options mid-process
 (``knobs.runtime.debug``, ``knobs.compilation.instrumentation_mode``; in 3.9 also ``fpsan_homomorphic_casts`` and
 ``add_stages_inspection_hook``), and a driver swapped by ``triton.runtime.driver.set_active`` after the first launch;
-set them before the first launch, or leave ``LESSONLIB_FAST_LAUNCH`` unset. ``plain_launches()`` forces the plain
+set them before the first launch, or set ``LESSONLIB_FAST_LAUNCH=0``. ``plain_launches()`` forces the plain
 path for a block (tests, benchmarks).
 
-Python time before the driver call, measured on CPU with a stand-in driver
-(benchmarks/experiments/dispatch_overhead_cpu.py, Triton 3.9): swiglu's launch 8.5 us plain, 2.5 us cached;
-add_rms_norm's 9.0 and 3.2 us.
+Where a decode-size call's host time goes on the H200's host, part by part (the key, the device and stream lookups,
+``CompiledKernel.run`` given tensors, the C function given addresses, the op's validation and allocation, and
+eager PyTorch's single ops beside them): benchmarks/experiments/per_call_parts.py and its results file.
 """
 
 from __future__ import annotations
@@ -73,41 +79,82 @@ _INT32, _INT64, _UINT64_MAX = (-(2**31), 2**31 - 1), (-(2**63), 2**63 - 1), 2**6
 _compiled: dict = {}  # configuration key -> _Entry (at most _MAX_ENTRIES: past that, new configurations stay plain)
 _MAX_ENTRIES = 4096
 _forced_plain = [False]  # plain_launches() sets it
+_runtime_knobs = triton.knobs.runtime  # where launch hooks are set (Triton 3.6 and 3.9)
 
 
 class _Entry:
     """One configuration's compiled kernel and what its launcher needs besides the call's own arguments."""
 
-    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "tail", "globals_read")
+    __slots__ = ("kernel", "compiled", "run", "function", "packed_metadata", "tail", "globals_read", "c_launch",
+                 "cooperative", "pdl")
 
     def __init__(self, kernel, compiled, tail, globals_read):
         # the kernel is kept so that its id, in the key, is never reused by another object
         self.kernel, self.compiled, self.tail, self.globals_read = kernel, compiled, tail, globals_read
         self.run, self.function, self.packed_metadata = compiled.run, compiled.function, compiled.packed_metadata
+        self.c_launch, self.cooperative, self.pdl = _c_launch_of(compiled.run)
+
+
+_C_LAUNCH_CALL = ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+                  "global_scratch, profile_scratch, *args)")
+
+
+@lru_cache(maxsize=None)
+def _has_c_launch_form(launcher_class) -> bool:
+    """Whether a launcher class is Triton 3.6's ``CudaLauncher``: its ``__call__`` allocates scratch memory where the
+    kernel needs it and passes everything on to ``self.launch``, a C function compiled for the kernel's signature,
+    whose pointer arguments may be tensors or their addresses as ints (``getPointer``: an int is taken as the
+    address; a tensor costs a ``data_ptr()`` call and a ``cuPointerGetAttribute`` driver call). Triton 3.9's
+    launcher is a generic one with another form: it keeps ``CompiledKernel.run``."""
+    try:
+        return _C_LAUNCH_CALL in " ".join(inspect.getsource(launcher_class.__call__).split())
+    except (TypeError, OSError):  # a launcher without Python source (a stand-in, a C type)
+        return False
+
+
+def _c_launch_of(launcher):
+    """``(launcher.launch, cooperative, pdl)`` where the cached launch may call the C function under the compiled
+    kernel's Python launcher (3.6's form, and no scratch memory to allocate), else ``(None, None, None)``."""
+    if (_has_c_launch_form(type(launcher)) and not getattr(launcher, "global_scratch_size", 1)
+            and not getattr(launcher, "profile_scratch_size", 1)):
+        return launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+    return None, None, None
 
 
 def configuration_key(kernel, device, args, meta):
     """The key of one launch (see the module docstring), or None when an argument is of a kind the key does not
     cover (the call then takes the plain path). The kernel enters by its id: a JITFunction's own hash takes a lock
-    and its source hash on every call. Written for speed: it runs on every launch (about 1 us for 7 arguments)."""
-    key = [id(kernel), device, *meta.items()]
-    append, int_class = key.append, _int_classes.get
+    and its source hash on every call."""
+    return key_and_arguments(kernel, device, args, meta)[0]
+
+
+def key_and_arguments(kernel, device, args, meta):
+    """:func:`configuration_key`, and the arguments as a C launcher of Triton 3.6's form takes them most cheaply:
+    each CUDA tensor as its address (read anyway for the key's alignment bit), everything else as given; ``(None,
+    None)`` when the key does not cover an argument. Written for speed: it runs on every launch (1.6 us for
+    swiglu's 7 arguments on the H200's host: benchmarks/experiments/results/per-call-parts-h200.json)."""
+    key, arguments = [id(kernel), device, *meta.items()], []
+    append, give, int_class = key.append, arguments.append, _int_classes.get
     for a in args:
         if a.__class__ is int:
             c = int_class(a)
             if c is None:
                 c = _int_class(a)
                 if c is None:  # past 64 bits: Triton raises (OverflowError); a cached kernel would wrap it
-                    return None
+                    return None, None
             append(c)
+            give(a)
         elif isinstance(a, torch.Tensor):
+            address = a.data_ptr()
             append(a.dtype)
-            append(a.data_ptr() & 15 == 0)
+            append(address & 15 == 0)
+            give(address if a.is_cuda else a)  # a CPU tensor: Triton's own error ("cpu tensor?"), not a bad address
         elif a.__class__ is float:
             append(float)
+            give(a)
         else:
-            return None
-    return tuple(key)
+            return None, None
+    return tuple(key), arguments
 
 
 _int_classes: dict[int, int] = {}  # int -> its class below, for the ints met first (sizes, strides)
@@ -128,11 +175,12 @@ def _int_class(a: int) -> int | None:
 def launch(kernel, grid, args, meta):
     """``kernel[grid](*args, **meta)`` on the GPU, through the cached compiled kernel where :func:`works_here`;
     returns Triton's compiled kernel either way."""
-    if _forced_plain[0] or not works_here():
+    if _forced_plain[0] or not (_decided[0] is None if _decided else works_here()):
         return kernel[grid](*args, **meta)
-    device = _driver().get_current_device()
+    driver = _driver()
+    device = driver.get_current_device()
     try:
-        key = configuration_key(kernel, device, args, meta)
+        key, arguments = key_and_arguments(kernel, device, args, meta)
         entry = _compiled.get(key) if key is not None else None
     except TypeError:  # an unhashable meta value: Triton decides what it means
         key = entry = None
@@ -143,8 +191,13 @@ def launch(kernel, grid, args, meta):
             _remember(key, kernel, compiled, args, meta)
         return compiled
     n = len(grid)
-    entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, _driver().get_current_stream(device),
-              entry.function, entry.packed_metadata, None, None, None, *args, *entry.tail)
+    if entry.c_launch is not None:  # Triton 3.6: its C launch function, addresses for tensors (_c_launch_of)
+        entry.c_launch(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.get_current_stream(device),
+                       entry.function, entry.cooperative, entry.pdl, None, None, entry.packed_metadata, None, None,
+                       None, *arguments, *entry.tail)
+    else:
+        entry.run(grid[0], grid[1] if n > 1 else 1, grid[2] if n > 2 else 1, driver.get_current_stream(device),
+                  entry.function, entry.packed_metadata, None, None, None, *args, *entry.tail)
     return entry.compiled
 
 
@@ -168,8 +221,7 @@ def _remember(key, kernel, compiled, args, meta) -> None:
 
 def _hooks_idle(kernel) -> bool:
     """No launch hook and no pre-run hook: nothing would read what the plain path builds for them."""
-    hooks = triton.knobs.runtime
-    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    enter, leave = _runtime_knobs.launch_enter_hook, _runtime_knobs.launch_exit_hook
     return (not kernel.pre_run_hooks and (enter is None or not getattr(enter, "calls", True))
             and (leave is None or not getattr(leave, "calls", True)))
 
@@ -203,8 +255,14 @@ def works_here() -> bool:
     return why_not() is None
 
 
+def _real_gpu() -> bool:
+    """On a GPU, and a real one: tests pretend one in the interpreter (``runtime.on_gpu`` patched), where a CPU build
+    of torch cannot answer ``torch.cuda``'s questions (``is_available`` it can)."""
+    return runtime.on_gpu() and torch.cuda.is_available()
+
+
 def _opted_in() -> bool:
-    return os.environ.get(ENV, "0").strip() == "1"
+    return os.environ.get(ENV, "1").strip() != "0"
 
 
 _decided: list = []  # [None] or [the reason the plain path is taken], once decided
@@ -214,7 +272,7 @@ def why_not() -> str | None:
     """None when the cached path is used here; otherwise the reason every launch takes the plain path. Asked
     during a CUDA graph capture before the decision, it answers so and decides nothing (the probe must not run)."""
     if not _decided:
-        if _opted_in() and runtime.on_gpu() and torch.cuda.is_current_stream_capturing():
+        if _opted_in() and _real_gpu() and torch.cuda.is_current_stream_capturing():
             return "not decided yet: asked during a CUDA graph capture, where the probe cannot launch and sync"
         _decided.append(_decide())
     return _decided[0]
@@ -222,8 +280,8 @@ def why_not() -> str | None:
 
 def _decide() -> str | None:
     if not _opted_in():
-        return f"{ENV} is not 1: off by default until a GPU run has checked it (benchmarks/NOTES.md, session 13)"
-    if not runtime.on_gpu():
+        return f"{ENV}=0 in the environment: every launch takes Triton's plain kernel[grid] path"
+    if not _real_gpu():
         return "not on a GPU (Triton's interpreter launches kernels its own way)"
     try:
         backend = triton.compiler.make_backend(_driver().get_current_target())

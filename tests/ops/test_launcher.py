@@ -4,6 +4,7 @@ cached path bit for bit against the plain one, for every public op, including th
 
 import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,13 +19,14 @@ from tests.conftest import randn
 
 _swiglu_module = sys.modules["lessonlib.ops.swiglu"]
 _add_rms_norm_module = sys.modules["lessonlib.ops.add_rms_norm"]
+_ROOT = Path(__file__).resolve().parents[2]
 gpu_only = pytest.mark.skipif(not runtime.on_gpu(), reason="the cached launch runs on a GPU only")
 
 
 @pytest.fixture(autouse=True, scope="module")
 def cached_path_turned_on():
-    """The cached path is opt-in (LESSONLIB_FAST_LAUNCH=1): on for this module's tests, decided afresh, and the
-    process's earlier decision put back after them."""
+    """The cached path is on unless LESSONLIB_FAST_LAUNCH=0: on for this module's tests whatever the environment
+    says, decided afresh, and the process's earlier decision put back after them."""
     saved_env, saved = os.environ.get(_launcher.ENV), list(_launcher._decided)
     os.environ[_launcher.ENV] = "1"
     _launcher._decided.clear()
@@ -331,6 +333,7 @@ def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch)
     """The probe launches and syncs, which a capture forbids: during one, launches are plain and nothing is decided."""
     monkeypatch.setattr(_launcher, "_decided", [])
     monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     assert not _launcher.works_here() and _launcher._decided == []
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -339,12 +342,17 @@ def test_the_decision_waits_for_a_launch_outside_cuda_graph_capture(monkeypatch)
     assert _launcher.works_here() and _launcher.works_here() and decisions == [1]
 
 
-def test_off_means_no_cuda_call_even_where_a_gpu_is_pretended(monkeypatch):
-    """Tests elsewhere pretend a GPU in the interpreter (runtime.on_gpu patched): with the cached path not opted in,
-    deciding must not touch torch.cuda, which a CPU build of torch cannot answer."""
-    monkeypatch.delenv(_launcher.ENV, raising=False)
+@pytest.mark.parametrize("value", [None, "0"])
+def test_a_pretended_gpu_decides_without_asking_cuda(monkeypatch, value):
+    """Tests elsewhere pretend a GPU in the interpreter (runtime.on_gpu patched): on by default or turned off,
+    deciding must not ask torch.cuda what a CPU build of torch cannot answer (is a stream capturing?)."""
+    if value is None:
+        monkeypatch.delenv(_launcher.ENV, raising=False)
+    else:
+        monkeypatch.setenv(_launcher.ENV, value)
     monkeypatch.setattr(_launcher, "_decided", [])
     monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: pytest.fail("torch.cuda was asked"))
     assert not _launcher.works_here()
 
@@ -353,6 +361,7 @@ def test_why_not_asked_during_a_capture_decides_nothing(monkeypatch):
     """why_not() is public (bench_per_call.py asks it): asked first inside a capture, it must not run the probe."""
     monkeypatch.setattr(_launcher, "_decided", [])
     monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     monkeypatch.setattr(_launcher, "_decide", lambda: pytest.fail("the probe ran during a capture"))
     assert _launcher.why_not().startswith("not decided yet") and _launcher._decided == []
@@ -396,13 +405,14 @@ def test_the_probe_launches_through_launch_itself_and_compares(monkeypatch, laun
     assert (problem is None) == (launcher == "right"), problem
 
 
-@pytest.mark.parametrize("value", [None, "0", "yes"])
-def test_the_cached_path_is_off_unless_the_environment_turns_it_on(monkeypatch, value):
+@pytest.mark.parametrize("value, on", [(None, True), ("1", True), ("0", False), (" 0 ", False)])
+def test_the_cached_path_is_on_unless_the_environment_turns_it_off(monkeypatch, value, on):
     if value is None:
         monkeypatch.delenv(_launcher.ENV, raising=False)
     else:
         monkeypatch.setenv(_launcher.ENV, value)
-    assert _launcher._decide().startswith(f"{_launcher.ENV} is not 1")
+    monkeypatch.setattr(_launcher.runtime, "on_gpu", lambda: False)  # past the switch, _decide stops here
+    assert _launcher._decide().startswith("not on a GPU" if on else f"{_launcher.ENV}=0")
 
 
 # --- the plain path in the interpreter, and where the public ops dispatch --------------------------------------
@@ -575,13 +585,20 @@ def _swiglu_launch(gate, up):
     return ((gate, up, torch.empty_like(gate), n, gate.stride(0), up.stride(0), n), _swiglu_module.config(n))
 
 
+def _spy_on_launches(monkeypatch, entry, record):
+    """Call ``record(launch arguments)`` on each cached launch of ``entry``: through Triton 3.6's C launch function
+    where the entry calls it, else through the compiled kernel's launcher (the stream is the fourth argument of both)."""
+    which = "c_launch" if entry.c_launch is not None else "run"
+    real = getattr(entry, which)
+    monkeypatch.setattr(entry, which, lambda *launch: record(launch) or real(*launch))
+
+
 @gpu_only
 def test_the_cached_launch_uses_the_current_stream(monkeypatch):
     """Inside torch.cuda.stream(s), the cached launch is given s, as Triton's own launch would be."""
     gate, up = randn(3, 1000), randn(3, 1000)
     entry, streams = _cached_swiglu_entry(gate, up), []
-    real_run = entry.run
-    monkeypatch.setattr(entry, "run", lambda *launch: streams.append(launch[3]) or real_run(*launch))
+    _spy_on_launches(monkeypatch, entry, lambda launch: streams.append(launch[3]))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -596,8 +613,7 @@ def test_the_cached_launch_is_captured_and_replayed_by_a_cuda_graph(monkeypatch)
     the graph replays it on new inputs like the plain launch computes them."""
     gate, up = randn(3, 1000), randn(3, 1000)
     entry, launches = _cached_swiglu_entry(gate, up), []
-    real_run = entry.run
-    monkeypatch.setattr(entry, "run", lambda *launch: launches.append(1) or real_run(*launch))
+    _spy_on_launches(monkeypatch, entry, lambda launch: launches.append(1))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs advises
@@ -620,3 +636,74 @@ def test_this_tritons_launch_is_the_one_the_cache_repeats():
     """JITFunction.run's launch call, read from this Triton's source (3.9 on CI; 3.6 on the GPU host, where
     test_the_cached_path_is_on_here checks the whole probe)."""
     assert _launcher._interface_problem() is None
+
+
+# --- Triton 3.6's C launch function, called past its Python launcher ---------------------------------------------
+
+COLAB_DRIVER = _ROOT / ".triton-colab" / "triton" / "backends" / "nvidia" / "driver.py"
+
+
+@pytest.mark.skipif(not COLAB_DRIVER.exists(), reason="no .triton-colab/ (make setup installs Colab's Triton there)")
+def test_colab_tritons_launcher_has_the_form_the_cached_launch_calls_directly():
+    """What _c_launch_of relies on, read from Colab's Triton (3.6, the GPU host's too): CudaLauncher.__call__ hands
+    everything to the C function ``self.launch`` in the order the cached launch uses, and that function's
+    getPointer takes an int as the address itself (no data_ptr() call, no driver call)."""
+    source = COLAB_DRIVER.read_text()
+    call = source[source.index("class CudaLauncher"):]
+    call = " ".join(call[call.index("def __call__"):call.index("class CudaDriver")].split())
+    assert _launcher._C_LAUNCH_CALL in call
+    pointer = " ".join(source[source.index("static inline DevicePtrInfo getPointer"):].split())
+    assert pointer.index("if (PyLong_Check(obj)) {{ ptr_info.dev_ptr = PyLong_AsUnsignedLongLong(obj); "
+                         "return ptr_info; }}") < pointer.index("PyObject_CallMethodNoArgs(obj, data_ptr_str)")
+
+
+class _Form36Launcher:
+    """A launcher with Triton 3.6's CudaLauncher.__call__ (its scratch allocation left out)."""
+
+    def __init__(self, global_scratch_size=0, profile_scratch_size=0):
+        self.global_scratch_size, self.profile_scratch_size = global_scratch_size, profile_scratch_size
+        self.launch_cooperative_grid, self.launch_pdl = False, True
+        self.launch = lambda *launch: None
+
+    def __call__(self, gridX, gridY, gridZ, stream, function, *args):
+        global_scratch = profile_scratch = None
+        self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl,
+                    global_scratch, profile_scratch, *args)
+
+
+@pytest.mark.parametrize("launcher, direct", [(_Form36Launcher(), True), (_Form36Launcher(global_scratch_size=8), False),
+                                              (_Form36Launcher(profile_scratch_size=8), False),
+                                              (lambda *launch: None, False)])
+def test_the_c_function_is_called_directly_only_for_3_6s_form_without_scratch(launcher, direct):
+    c_launch, cooperative, pdl = _launcher._c_launch_of(launcher)
+    assert (c_launch is launcher.launch and (cooperative, pdl) == (False, True)) if direct else c_launch is None
+
+
+def test_tensors_are_passed_as_addresses_only_on_the_gpu():
+    """key_and_arguments gives the C launcher a CUDA tensor's address; a CPU tensor goes as itself, so that Triton's
+    launcher raises for it ("cpu tensor?") instead of launching with a host address. Ints and floats as given."""
+    cpu = torch.empty(8)
+    tensors = [cpu, randn(8)]  # randn is on the course's device: the GPU there, the CPU in the interpreter
+    key, arguments = _launcher.key_and_arguments(None, None, (*tensors, 7, 2.5), {})
+    assert key == _launcher.configuration_key(None, None, (*tensors, 7, 2.5), {})
+    assert [a if isinstance(a, int) else a is t for a, t in zip(arguments, tensors)] == [
+        t.data_ptr() if t.is_cuda else True for t in tensors]
+    assert arguments[2:] == [7, 2.5]
+
+
+@gpu_only
+def test_the_cached_launch_calls_the_c_function_where_triton_has_that_form():
+    gate, up = randn(3, 1000), randn(3, 1000)
+    entry = _cached_swiglu_entry(gate, up)
+    assert (entry.c_launch is not None) == _launcher._has_c_launch_form(type(entry.run))
+
+
+@gpu_only
+def test_a_cpu_tensor_given_to_a_cached_configuration_raises_before_launching():
+    gate, up = randn(3, 1000), randn(3, 1000)
+    _cached_swiglu_entry(gate, up)
+    (_, _, out, *sizes), meta = _swiglu_launch(gate, up)
+    host_out = torch.empty(out.shape, dtype=out.dtype)  # on the CPU
+    with pytest.raises((ValueError, RuntimeError), match="cpu tensor|CPU|cpu"):
+        _launcher.launch(_swiglu_module._swiglu_kernel, (3,), (gate, up, host_out, *sizes), meta)
+    torch.cuda.synchronize()  # the context is still healthy
