@@ -8,7 +8,8 @@ from lessonlib.testing import (add_rms_norm_grad_allowances, add_rms_norm_grad_m
 from tests.conftest import DEVICE, randn
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 4, 1000), (2, 5120), (1, 14336), (2, MAX_ONE_PASS_COLS + 777)])
+@pytest.mark.parametrize("shape", [(1, 1), (300,), (7, 123), (3, 4, 1000), (2, 5120), (1, 14336),
+                                   (2, MAX_ONE_PASS_COLS + 777)])
 def test_add_rms_norm_matches_reference(shape, dtype):
     x, residual = randn(*shape, dtype=dtype), randn(*shape, dtype=dtype, scale=4)
     weight = randn(shape[-1], dtype=dtype)

@@ -9,7 +9,7 @@ from lessonlib.testing import (check_close, check_gradients, poisoned_outputs, s
 from tests.conftest import DEVICE, DTYPES, randn
 
 
-@pytest.mark.parametrize("shape", [(1, 1), (7, 123), (3, 5, 1000), (2, 2049), (4, 5120)])
+@pytest.mark.parametrize("shape", [(1, 1), (300,), (7, 123), (3, 5, 1000), (2, 2049), (4, 5120)])
 def test_swiglu_matches_reference(shape, dtype):
     gate, up = randn(*shape, dtype=dtype, scale=3), randn(*shape, dtype=dtype)
     with poisoned_outputs():
@@ -28,8 +28,9 @@ def test_swiglu_on_strided_halves_of_one_projection(dtype):
                 allowance=swiglu_allowance(gate, up))
 
 
-def test_swiglu_empty():
-    assert ops.swiglu(randn(0, 8), randn(0, 8)).shape == (0, 8)
+@pytest.mark.parametrize("shape", [(0, 8), (3, 0), (2, 0, 5), (0,)])
+def test_swiglu_empty(shape):
+    assert ops.swiglu(randn(*shape), randn(*shape)).shape == shape
 
 
 @pytest.mark.parametrize(
