@@ -131,8 +131,8 @@ def configuration_key(kernel, device, args, meta):
 def key_and_arguments(kernel, device, args, meta):
     """:func:`configuration_key`, and the arguments as a C launcher of Triton 3.6's form takes them most cheaply:
     each CUDA tensor as its address (read anyway for the key's alignment bit), everything else as given; ``(None,
-    None)`` when the key does not cover an argument. Written for speed: it runs on every launch (1.6 us for
-    swiglu's 7 arguments on the H200's host: benchmarks/experiments/results/per-call-parts-h200.json)."""
+    None)`` when the key does not cover an argument. Written for speed: it runs on every launch (its time on the
+    H200's host is a row of benchmarks/experiments/results/per-call-parts-h200.json)."""
     key, arguments = [id(kernel), device, *meta.items()], []
     append, give, int_class = key.append, arguments.append, _int_classes.get
     for a in args:
@@ -261,7 +261,8 @@ def _real_gpu() -> bool:
     return runtime.on_gpu() and torch.cuda.is_available()
 
 
-def _opted_in() -> bool:
+def _switched_on() -> bool:
+    """The environment's switch: on unless ``LESSONLIB_FAST_LAUNCH=0``."""
     return os.environ.get(ENV, "1").strip() != "0"
 
 
@@ -272,14 +273,14 @@ def why_not() -> str | None:
     """None when the cached path is used here; otherwise the reason every launch takes the plain path. Asked
     during a CUDA graph capture before the decision, it answers so and decides nothing (the probe must not run)."""
     if not _decided:
-        if _opted_in() and _real_gpu() and torch.cuda.is_current_stream_capturing():
+        if _switched_on() and _real_gpu() and torch.cuda.is_current_stream_capturing():
             return "not decided yet: asked during a CUDA graph capture, where the probe cannot launch and sync"
         _decided.append(_decide())
     return _decided[0]
 
 
 def _decide() -> str | None:
-    if not _opted_in():
+    if not _switched_on():
         return f"{ENV}=0 in the environment: every launch takes Triton's plain kernel[grid] path"
     if not _real_gpu():
         return "not on a GPU (Triton's interpreter launches kernels its own way)"

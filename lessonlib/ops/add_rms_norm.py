@@ -223,7 +223,7 @@ _default_config = config  # the launchers' ``config`` knob shadows the name insi
 @lru_cache(maxsize=1024)
 def _launch_meta(n_cols: int) -> dict:
     """The forward's constexprs and options at the default configuration: built once per width (afresh, the dicts
-    took about 1 us of a decode-size call's host time; callers only read it)."""
+    took about 1 us of a decode-size call's host time on the course's CI machine; callers only read it)."""
     return {**config(n_cols), **pdl_options()}
 
 
