@@ -31,7 +31,6 @@ say why).
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import statistics
 import sys
@@ -50,6 +49,8 @@ from lessonlib.ops._common import check_tensors, pdl_options  # noqa: E402
 from lessonlib.ops.add_rms_norm import _add_rms_norm_kernel, config as add_rms_norm_config  # noqa: E402
 from lessonlib.ops.swiglu import _swiglu_kernel, config as swiglu_config  # noqa: E402
 from lessonlib.results import environment  # noqa: E402
+
+import triton  # noqa: E402  (after lessonlib: the runtime mode is decided first)
 
 CALLS, ROUNDS = 2000, 5
 
@@ -70,22 +71,6 @@ def per_call_us(rows: dict, calls: int, rounds: int) -> dict[str, dict]:
                 samples[name].append((time.perf_counter() - start) / calls * 1e6)
     return {name: {"us": round(statistics.median(s), 3), "min_us": round(min(s), 3), "max_us": round(max(s), 3)}
             for name, s in samples.items()}
-
-
-def c_launch_form(compiled) -> str | None:
-    """None when the compiled kernel's launcher is Triton 3.6's CudaLauncher (``self.launch(gridX, gridY, gridZ,
-    stream, function, cooperative, pdl, global_scratch, profile_scratch, *args)``) with no scratch; else why not."""
-    launcher = compiled.run
-    try:
-        source = " ".join(inspect.getsource(type(launcher).__call__).split())
-    except (TypeError, OSError) as error:
-        return f"launcher source not readable: {error}"
-    if ("self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
-            "global_scratch, profile_scratch, *args)") not in source:
-        return f"triton {__import__('triton').__version__}: the launcher's __call__ is not 3.6's form"
-    if launcher.global_scratch_size or launcher.profile_scratch_size:
-        return "the kernel needs scratch memory"
-    return None
 
 
 def parts(kernel, grid, args, meta, op_call, eager_rows, tensors):
@@ -118,10 +103,11 @@ def parts(kernel, grid, args, meta, op_call, eager_rows, tensors):
         "the op": op_call,
         **eager_rows,
     }
-    why = c_launch_form(entry.compiled)
+    # the launcher's own decision (ops/_launcher.py's _c_launch_of): 3.6's form and no scratch memory
+    why = None if entry.c_launch is not None else (
+        f"triton {triton.__version__}: the launcher is not 3.6's form, or the kernel needs scratch memory")
     if why is None:
-        launcher = entry.compiled.run
-        c, coop, pdl = launcher.launch, launcher.launch_cooperative_grid, launcher.launch_pdl
+        c, coop, pdl = entry.c_launch, entry.cooperative, entry.pdl
         rows["C launch, tensors"] = lambda: c(*g, stream, entry.function, coop, pdl, None, None,
                                               entry.packed_metadata, None, None, None, *args, *entry.tail)
         rows["C launch, ints"] = lambda: c(*g, stream, entry.function, coop, pdl, None, None, entry.packed_metadata,
