@@ -4,7 +4,9 @@
 
 At decode sizes an op's time is its host time: the Python of validation, allocation and Triton's launch. Each op,
 bf16, at T=1 and T=128 (hidden 4096, intermediate 14336: bench_fusion.py's shapes), through
-  * ``lessonlib.ops.<op>`` with the cached launch (ops/_launcher.py: the compiled kernel's own launcher);
+  * ``lessonlib.ops.<op>`` with the cached launch (ops/_launcher.py: the compiled kernel's own launcher), and
+    from the second call of one signature of inputs its plan (``_launcher.Repeats``: validation and the launch key
+    skipped, the C launch function called with the new tensors' addresses);
   * the same with every launch through Triton's plain ``kernel[grid]`` (``_launcher.plain_launches``);
   * the bare ``kernel[grid](...)`` call, inputs and outputs ready (what Triton's launch alone costs);
   * eager PyTorch: ``F.silu(g) * u``; ``h = x + r`` then ``F.rms_norm(h, (H,), w, eps)``.
@@ -12,7 +14,8 @@ Timing: after a sync, ``CALLS`` back-to-back calls timed with ``time.perf_counte
 round times every peer in one order, then in the reverse order (A B C D, D C B A), ``ROUNDS`` rounds; the record is
 the median of those samples, with their spread. The notes hold each op's ratio to eager (issue 27's target: <= 1.0
 for the cached launch), whether the cached launch is on (``_launcher.why_not``) and whether it ran for each case
-(``cached_launch_ran``: the checked call launched without Triton's binder). Both lessonlib paths are checked
+(``cached_launch_ran``: the checked call launched without Triton's binder; ``planned_call_ran``: it skipped the
+op's validation, i.e. took its plan). Both lessonlib paths are checked
 against float64 first, and against each other bit for bit. ``--smoke`` runs tiny sizes in any mode (interpreter:
 both lessonlib paths are the plain launch there).
 """
@@ -92,10 +95,11 @@ def swiglu_case(dtype, tokens, intermediate):
 
     def check():
         plain_out, _ = plain_call(lambda: ops.swiglu(gate, up)), ops.swiglu(gate, up)  # the second fills the cache
-        cached, ran = binder_skipped(_swiglu_kernel, lambda: ops.swiglu(gate, up))
+        (cached, ran), planned = validation_skipped("swiglu", lambda: binder_skipped(
+            _swiglu_kernel, lambda: ops.swiglu(gate, up)))
         check_close("swiglu", cached, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up))
         assert torch.equal(cached, plain_out), "swiglu: the cached and the plain launch differ"
-        return ran
+        return ran, planned
 
     return Op.SWIGLU, {"T": tokens, "I": intermediate}, peers, check
 
@@ -119,11 +123,12 @@ def add_rms_norm_case(dtype, tokens, hidden):
     def check():
         plain_out, _ = plain_call(lambda: ops.add_rms_norm(x, res, w, EPS)), ops.add_rms_norm(x, res, w, EPS)
         # from the cache filled by the call before
-        cached, ran = binder_skipped(_add_rms_norm_kernel, lambda: ops.add_rms_norm(x, res, w, EPS))
+        (cached, ran), planned = validation_skipped("add_rms_norm", lambda: binder_skipped(
+            _add_rms_norm_kernel, lambda: ops.add_rms_norm(x, res, w, EPS)))
         want = reference.add_rms_norm(*to_float64(x, res, w), EPS)
         check_close("add_rms_norm", cached[0], want[0], reference.add_rms_norm(x, res, w, EPS)[0])
         assert all(torch.equal(a, b) for a, b in zip(cached, plain_out)), "add_rms_norm: cached and plain launch differ"
-        return ran
+        return ran, planned
 
     return Op.ADD_RMS_NORM, {"T": tokens, "H": hidden}, peers, check
 
@@ -144,6 +149,17 @@ def binder_skipped(kernel, fn):
         del kernel.run  # the class's method again
 
 
+def validation_skipped(op, fn):
+    """``fn()``, and whether it ran without the op's validation (``_check``): whether the op took its plan."""
+    module = sys.modules[f"lessonlib.ops.{op}"]
+    checks, real_check = [], module._check
+    module._check = lambda *args: checks.append(1) or real_check(*args)
+    try:
+        return fn(), not checks
+    finally:
+        module._check = real_check
+
+
 def bench_randn(*shape_and_dtype):
     *shape, dtype = shape_and_dtype
     return torch.randn(*shape, device=runtime.device(), dtype=torch.float32).to(dtype)
@@ -162,12 +178,12 @@ def main():
     run.notes["cached_launch"] = _launcher.why_not() or "on"
     run.notes["timing"] = (f"{calls} back-to-back calls between syncs, time.perf_counter; {rounds} rounds, each in "
                            "the peers' order then reversed; median and spread of the samples")
-    ratios, cached_ran = {}, {}
+    ratios, cached_ran, planned_ran = {}, {}, {}
     with torch.inference_mode():
         for tokens in SMOKE_TOKENS if smoke else TOKENS:
             for op, shape, peers, check in (swiglu_case(run.dtype, tokens, intermediate),
                                             add_rms_norm_case(run.dtype, tokens, hidden)):
-                cached_ran[f"{op} T={tokens}"] = check()
+                cached_ran[f"{op} T={tokens}"], planned_ran[f"{op} T={tokens}"] = check()
                 if run.check_only:
                     continue
                 samples = per_call_samples(peers, calls, rounds)
@@ -177,7 +193,9 @@ def main():
                                samples_us=[round(v, 3) for v in s])
                 ratios[f"{op} T={tokens}"] = round(median[Impl.LESSONLIB_CACHED_LAUNCH] / median[EAGER[op]], 3)
     run.notes["cached_over_eager"], run.notes["cached_launch_ran"] = ratios, cached_ran
+    run.notes["planned_call_ran"] = planned_ran
     print("cached launch:", run.notes["cached_launch"], "| ran (binder skipped):", cached_ran,
+          "| planned (validation skipped):", planned_ran,
           "| lessonlib (cached) / eager per call:", ratios)
     run.save(args.out, {})
 

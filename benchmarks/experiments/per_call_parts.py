@@ -18,6 +18,8 @@ order), microseconds per call. The parts, at swiglu's T=1, I=14336 and add_rms_n
                               skips the data_ptr method call and cuPointerGetAttribute per tensor
   C launch, ints              3.6's C function itself (CudaLauncher.launch), past the Python __call__
   _launcher.launch            the whole cached launch from the op's arguments
+  signature                   the op's signature of its inputs (``_signature``: what a plan is found by)
+  plan launch                 ``_launcher.Repeats.launch``: a plan's launch given the tensors' addresses
   the op                      ops.swiglu / ops.add_rms_norm with the cached launch
   eager single op             torch.mul / torch.add: one allocation and one kernel through PyTorch's dispatcher
   eager                       bench_per_call.py's peer (F.silu(g) * u; x + r then F.rms_norm)
@@ -73,8 +75,9 @@ def per_call_us(rows: dict, calls: int, rounds: int) -> dict[str, dict]:
             for name, s in samples.items()}
 
 
-def parts(kernel, grid, args, meta, op_call, eager_rows, tensors):
-    """The rows for one op: ``args`` are the kernel's arguments in signature order, ``meta`` its constexprs."""
+def parts(kernel, grid, args, meta, op_call, eager_rows, tensors, module, inputs):
+    """The rows for one op: ``args`` are the kernel's arguments in signature order, ``meta`` its constexprs;
+    ``module`` the op's module, ``inputs`` the op's own arguments (for its signature and plan)."""
     driver = _launcher._driver()
     device = driver.get_current_device()
     _launcher.launch(kernel, grid, args, meta), _launcher.launch(kernel, grid, args, meta)
@@ -101,6 +104,7 @@ def parts(kernel, grid, args, meta, op_call, eager_rows, tensors):
                                                         None, None, *ints, *entry.tail),
         "_launcher.launch": lambda: _launcher.launch(kernel, grid, args, meta),
         "the op": op_call,
+        "signature": lambda: module._signature(*inputs),
         **eager_rows,
     }
     # the launcher's own decision (ops/_launcher.py's _c_launch_of): 3.6's form and no scratch memory
@@ -112,6 +116,11 @@ def parts(kernel, grid, args, meta, op_call, eager_rows, tensors):
                                               entry.packed_metadata, None, None, None, *args, *entry.tail)
         rows["C launch, ints"] = lambda: c(*g, stream, entry.function, coop, pdl, None, None, entry.packed_metadata,
                                            None, None, None, *ints, *entry.tail)
+        op_call(), op_call()
+        plan = module._REPEATS.get(module._signature(*inputs))
+        if plan is not None:
+            addresses = tuple(a.data_ptr() for a in args if isinstance(a, torch.Tensor))
+            rows["plan launch"] = lambda: module._REPEATS.launch(plan, *addresses)
     return rows, why
 
 
@@ -136,7 +145,8 @@ def main():
         rows, why = parts(_swiglu_kernel, (-(-14336 // meta["BLOCK"]),), (gate, up, out, 14336, 14336, 14336, 14336),
                           meta, lambda: ops.swiglu(gate, up),
                           {"eager single op (torch.mul)": lambda: torch.mul(gate, up),
-                           "eager (F.silu(g) * u)": lambda: F.silu(gate) * up}, (gate, up))
+                           "eager (F.silu(g) * u)": lambda: F.silu(gate) * up}, (gate, up),
+                          sys.modules["lessonlib.ops.swiglu"], (gate, up))
         results["swiglu T=1 I=14336"] = {"rows": per_call_us(rows, CALLS, ROUNDS), "c_launch": why or "3.6's form"}
         x, r, w = (torch.randn(*s, device=dev, dtype=dtype) for s in ((1, 4096), (1, 4096), (4096,)))
         o, ro = torch.empty_like(x), torch.empty_like(x)
@@ -144,7 +154,8 @@ def main():
         rows, why = parts(_add_rms_norm_kernel, (1,), (x, r, w, o, ro, 4096, 4096, 4096, 1e-6), meta,
                           lambda: ops.add_rms_norm(x, r, w, 1e-6),
                           {"eager single op (torch.add)": lambda: torch.add(x, r),
-                           "eager (x + r, F.rms_norm)": lambda: F.rms_norm(x + r, (4096,), w, 1e-6)}, (x, r, w))
+                           "eager (x + r, F.rms_norm)": lambda: F.rms_norm(x + r, (4096,), w, 1e-6)}, (x, r, w),
+                          sys.modules["lessonlib.ops.add_rms_norm"], (x, r, w, 1e-6))
         results["add_rms_norm T=1 H=4096"] = {"rows": per_call_us(rows, CALLS, ROUNDS), "c_launch": why or "3.6's form"}
     for case, result in results.items():
         print(case, "| C launch:", result["c_launch"])

@@ -32,6 +32,7 @@ import triton
 from lessonlib import runtime
 from lessonlib.ops._common import (check_tensors, launch, next_power_of_2, pdl_options, pdl_wait_then_trigger,
                                    tuned)
+from lessonlib.ops._launcher import Repeats
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
 # updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
@@ -245,6 +246,14 @@ def compiled_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 
 def _forward(x, residual, weight, eps, override):
+    signature = _signature(x, residual, weight, eps) if override is None else None
+    plan = _REPEATS.get(signature)
+    if plan is not None:  # inputs like an earlier call's: validated and configured then (_launcher.Repeats)
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        if _REPEATS.launch(plan, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+                           residual_out.data_ptr()):
+            return out, residual_out, plan.entry.compiled
     _check(x, residual, weight, eps)
     n_cols = x.shape[-1]
     meta = _launch_meta(n_cols) if override is None else {
@@ -256,11 +265,28 @@ def _forward(x, residual, weight, eps, override):
     if out.numel() == 0:
         return out, residual_out, None
     x2d, residual2d = _rows(x, n_cols), _rows(residual, n_cols)
-    kernel = launch(
-        _add_rms_norm_kernel, (x2d.shape[0],),
-        x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps), **meta,
-    )
+    grid = (x2d.shape[0],)
+    args = (x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps))
+    kernel = launch(_add_rms_norm_kernel, grid, *args, **meta)
+    if x.dim() == 2:  # rows as given: a plan passes the inputs' own addresses
+        _REPEATS.remember(signature, grid, args, meta)
     return out, residual_out, kernel
+
+
+def _signature(x, residual, weight, eps):
+    """What :func:`_check` and the launch read from the inputs (``_launcher.Repeats``); None for inputs without
+    them (a non-tensor: the full path raises) and for an ``eps`` that is not a float (a tensor's value can change)."""
+    if eps.__class__ is not float:
+        return None
+    try:
+        return (x.__class__, x.dtype, x.device, x.shape, x.stride(), residual.__class__, residual.dtype,
+                residual.device, residual.shape, residual.stride(), weight.__class__, weight.dtype, weight.device,
+                weight.shape, weight.stride(), eps)
+    except (AttributeError, TypeError):
+        return None
+
+
+_REPEATS = Repeats(_add_rms_norm_kernel)
 
 
 # Programs of the backward per multiprocessor: each walks a run of rows with its partial d(weight) in registers.

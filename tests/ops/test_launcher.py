@@ -707,3 +707,154 @@ def test_a_cpu_tensor_given_to_a_cached_configuration_raises_before_launching():
     with pytest.raises((ValueError, RuntimeError), match="cpu tensor|CPU|cpu"):
         _launcher.launch(_swiglu_module._swiglu_kernel, (3,), (gate, up, host_out, *sizes), meta)
     torch.cuda.synchronize()  # the context is still healthy
+
+
+# --- an op's plans: a repeated signature skips validation and the key (_launcher.Repeats) ------------------------
+
+class _Form36Compiled(_Compiled):
+    """A stand-in compiled kernel whose launcher has Triton 3.6's form: its C function records each launch."""
+
+    def __init__(self, calls):
+        super().__init__(calls)
+        self.run = _Form36Launcher()
+        self.run.launch = lambda *launch: calls.append(("c", launch))
+
+
+_OPS = {"swiglu": (_swiglu_module, "_swiglu_kernel"), "add_rms_norm": (_add_rms_norm_module, "_add_rms_norm_kernel")}
+
+
+@pytest.fixture(params=list(_OPS))
+def planned_op(request, cached, monkeypatch):
+    """One public op as on a GPU whose Triton has 3.6's launcher: its kernel a recording stand-in, its plans fresh,
+    its validation counted. Returns (name, kernel, checks, call) where ``call(*inputs)`` runs the public op."""
+    name = request.param
+    module, kernel_name = _OPS[name]
+    kernel = _Kernel(getattr(module, kernel_name).fn)
+    kernel.compiled = _Form36Compiled(kernel.calls)
+    monkeypatch.setattr(module, kernel_name, kernel)
+    monkeypatch.setattr(module, "_REPEATS", _launcher.Repeats(kernel))
+    monkeypatch.setattr(_launcher, "_decided", [])
+    monkeypatch.setattr(_common.runtime, "on_gpu", lambda: True)  # _common.launch goes to _launcher.launch
+    checks, real_check = [], module._check
+    monkeypatch.setattr(module, "_check", lambda *a: checks.append(1) or real_check(*a))
+    call = ops.swiglu if name == "swiglu" else lambda x, r, w, eps=1e-6: ops.add_rms_norm(x, r, w, eps)
+    return name, kernel, checks, call
+
+
+def _planned_inputs(name, rows=3, width=96, dtype=torch.float32):
+    if name == "swiglu":
+        return torch.randn(rows, width, dtype=dtype), torch.randn(rows, width, dtype=dtype)
+    return torch.randn(rows, width, dtype=dtype), torch.randn(rows, width, dtype=dtype), torch.randn(width, dtype=dtype)
+
+
+def _outputs(result):
+    return result if isinstance(result, tuple) else (result,)
+
+
+def test_a_repeated_signature_skips_validation_and_launches_what_the_cache_would(planned_op):
+    """The first call validates, launches plainly and keeps a plan; the second is not validated and goes to the C
+    function with exactly the launch the cached path gives it (tensors as addresses, the fresh outputs' own)."""
+    name, kernel, checks, call = planned_op
+    inputs = _planned_inputs(name)
+    call(*inputs)
+    assert _kinds(kernel) == ["plain"] and len(checks) == 1
+    planned = _outputs(call(*inputs))
+    assert _kinds(kernel) == ["plain", "c"] and len(checks) == 1
+    sys.modules[kernel.fn.__module__]._REPEATS.clear()  # the same call through _launcher.launch's cached path
+    cached = _outputs(call(*inputs))
+    assert _kinds(kernel) == ["plain", "c", "c"] and len(checks) == 2
+    (_, by_plan), (_, by_cache) = kernel.calls[1:]
+    by_cache = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in by_cache)  # CPU tensors: as given
+    n_in = len(inputs)
+    assert by_plan[:13 + n_in] == by_cache[:13 + n_in]
+    assert by_plan[13 + n_in + len(planned):] == by_cache[13 + n_in + len(cached):]
+    assert by_plan[13 + n_in:13 + n_in + len(planned)] == tuple(t.data_ptr() for t in planned)
+    assert by_cache[13 + n_in:13 + n_in + len(cached)] == tuple(t.data_ptr() for t in cached)
+
+
+@pytest.mark.parametrize("change", ["dtype", "rows", "strides", "class", "misaligned", "device", "plain_launches",
+                                    "launch hook", "three dimensions"])
+def test_a_call_unlike_the_plans_takes_the_full_path(planned_op, monkeypatch, change):
+    """Each change of what validation or the launch reads: the op validates again (and launches what the cached path
+    decides: a misaligned pointer is another configuration, launched plainly)."""
+    name, kernel, checks, call = planned_op
+    inputs = _planned_inputs(name)
+    call(*inputs), call(*inputs)
+    assert len(checks) == 1
+    if change == "dtype":
+        inputs = _planned_inputs(name, dtype=torch.float16)
+    elif change == "rows":
+        inputs = _planned_inputs(name, rows=4)
+    elif change == "strides":  # the same shape, rows 192 apart
+        inputs = (torch.randn(3, 192)[:, :96], *inputs[1:])
+    elif change == "class":
+        inputs = (torch.nn.Parameter(inputs[0], requires_grad=False), *inputs[1:])
+    elif change == "misaligned":  # the same shape and strides, the address 8 bytes on: aligned to 8, not to 16
+        inputs = (torch.randn(3 * 96 + 2)[2:].view(3, 96), *inputs[1:])
+    elif change == "device":
+        _launcher._driver().device = 1  # the cached fixture's stand-in driver, this test's own
+    elif change == "launch hook":
+        monkeypatch.setattr(triton.knobs.runtime.launch_enter_hook, "calls", [lambda metadata: None])
+    elif change == "three dimensions":  # reshaped to rows on the full path: no plan, whatever the shape
+        inputs = (inputs[0].view(1, 3, 96), inputs[1].view(1, 3, 96), *inputs[2:])
+        call(*inputs)
+    if change == "plain_launches":
+        with _launcher.plain_launches():
+            call(*inputs)
+    else:
+        call(*inputs)
+    assert len(checks) == (3 if change == "three dimensions" else 2)
+    if change == "misaligned":
+        assert _kinds(kernel)[-1] == "plain"
+
+
+@pytest.mark.parametrize("bad", ["mixed dtypes", "last dimension strided", "not a tensor", "shapes differ"])
+def test_bad_input_after_a_plan_still_raises(planned_op, bad):
+    """A plan is found only for inputs shaped like validated ones: bad input still gets its clear error."""
+    name, kernel, checks, call = planned_op
+    inputs = _planned_inputs(name)
+    call(*inputs), call(*inputs)
+    if bad == "mixed dtypes":
+        inputs = (inputs[0], inputs[1].half(), *inputs[2:])
+    elif bad == "last dimension strided":
+        inputs = (torch.randn(96, 3).t(), *inputs[1:])
+    elif bad == "not a tensor":
+        inputs = (inputs[0].tolist(), *inputs[1:])
+    else:
+        inputs = (inputs[0], torch.randn(3, 95), *inputs[2:])
+    launches = len(kernel.calls)
+    with pytest.raises((TypeError, ValueError)):
+        call(*inputs)
+    assert len(kernel.calls) == launches
+
+
+@pytest.mark.parametrize("planned_op", ["add_rms_norm"], indirect=True)
+def test_an_eps_that_is_not_a_float_is_never_planned(planned_op):
+    """A tensor's value can change in place between calls: a plan keyed on the tensor would keep the old eps."""
+    name, kernel, checks, call = planned_op
+    inputs = _planned_inputs(name)
+    eps = torch.tensor(1e-6)
+    call(*inputs, eps), call(*inputs, eps)
+    assert len(checks) == 2
+
+
+@gpu_only
+@pytest.mark.parametrize("op", ["swiglu", "add_rms_norm"])
+def test_a_planned_call_equals_the_plain_launch(monkeypatch, op, dtype):
+    """On the GPU: the third call of a signature takes the plan (no validation) and writes what the plain launch
+    writes, on strided rows and odd widths too."""
+    module = _swiglu_module if op == "swiglu" else _add_rms_norm_module
+    if op == "swiglu":
+        inputs = randn(5, 2 * 301, dtype=dtype).chunk(2, dim=-1)
+        call = ops.swiglu
+    else:
+        inputs = (randn(7, 2 * 123, dtype=dtype)[:, :123], randn(7, 123, dtype=dtype), randn(123, dtype=dtype))
+        call = ops.add_rms_norm
+    with torch.no_grad():
+        with _launcher.plain_launches():
+            plain = _outputs(call(*inputs))
+        call(*inputs), call(*inputs)
+        checks, real_check = [], module._check
+        monkeypatch.setattr(module, "_check", lambda *a: checks.append(1) or real_check(*a))
+        planned = _outputs(call(*inputs))
+    assert checks == [] and all(torch.equal(got, want) for got, want in zip(planned, plain))
