@@ -57,11 +57,12 @@ class Benchmark:
     SERVING = "serving"  # lesson 07: OpenAI-compatible servers under Poisson traffic (benchmarks/bench_serving.py)
     FUSION_EXTRAS = "fusion_extras"  # lesson 01: bias_swiglu, dequant_matmul, absmax_normalize (a grid-wide barrier)
     PER_CALL = "per_call"  # issue 27: swiglu and add_rms_norm one call at a time, cached launch vs plain vs eager
+    FLASH_ATTENTION_SCHEDULES = "flash_attention_schedules"  # lesson 02: TMA, warp specialization, persistent, atomics
 
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset()
+AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.FLASH_ATTENTION_SCHEDULES})
 # Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
 RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 
@@ -155,6 +156,12 @@ class Impl:
     LAZY_RESCALE = "lazy rescale (FlashAttention-4)"
     EXP2_16BIT = "exp2 in 16 bits"
     EAGER_ATTENTION = "eager: matmul, scale, mask, softmax, matmul"  # five kernels, as a model written in PyTorch
+    # flash_attention_schedules: the Hopper techniques tried on lessonlib's loop (one record per tile configuration)
+    TMA_DESCRIPTORS = "TMA tensor descriptors"
+    TMA_WARP_SPECIALIZED = "TMA + warp specialization"
+    TMA_PERSISTENT = "TMA + persistent grid"
+    BACKWARD_TWO_KERNELS = "two kernels: dK/dV, then dQ"  # lessonlib's backward at the record's tiles
+    BACKWARD_ATOMIC_DQ = "one kernel, dQ by float32 atomics"  # FlashAttention-2's original schedule
     # paged attention and store_kv
     TABLES_VALIDATED = "lessonlib, tables validated every call"
     SLOTS_VALIDATED = "lessonlib, slots validated every call"

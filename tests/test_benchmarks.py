@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lessonlib import bench, plots, results, runtime
 from lessonlib.ops import _launcher
@@ -169,6 +170,41 @@ def test_bench_flash_attention_smoke_writes_a_results_file(tmp_path):
         assert recorded.one(op=Op.ABSORBED, impl=impl, dropout_p=0.0)["us"] > 0
     for dropout_p in (0.0, 0.1):  # SDPA without and with dropout, at the same shape
         assert recorded.one(op=Op.ABSORBED, impl=sdpa_impl, dropout_p=dropout_p)["us"] > 0
+
+
+def test_bench_flash_attention_schedules_smoke_records_each_technique_checked(tmp_path):
+    """Every technique at every tile configuration, forward and backward, beside the peers; each timed result was
+    checked within the allowed error first. In the interpreter every configuration runs; on a GPU one Triton cannot
+    compile for the profile (TMA before sm_90, warp specialization) may carry its error instead."""
+    import bench_flash_attention_schedules as schedules
+
+    recorded = run_smoke("bench_flash_attention_schedules.py", tmp_path)
+    peer = Impl.SDPA_CUDNN if runtime.on_gpu() else Impl.SDPA
+    for op, impls, tile_sets in ((Op.FORWARD, schedules.FORWARDS, [schedules.SMOKE_FORWARD_TILES]),
+                                 (Op.BACKWARD, schedules.BACKWARDS, [schedules.SMOKE_BACKWARD_TILES])):
+        assert recorded.select(op=op, impl=Impl.LESSONLIB) and recorded.select(op=op, impl=peer), op
+        for impl in impls:
+            records = recorded.select(op=op, impl=impl)
+            causal_cases = 1 if op == Op.FORWARD else 2
+            assert sorted(tuple(r["tiles"]) for r in records) == sorted(tile_sets[0] * causal_cases), (op, impl)
+            for r in records:
+                if "error" in r and runtime.on_gpu():
+                    continue
+                allowed = recorded.notes[f"backward allowed error, causal={r['shape']['causal']}"] if (
+                    op == Op.BACKWARD) else None
+                assert r["us"] > 0 and (allowed is None or r["max_error"] <= allowed), r
+
+
+def test_bench_flash_attention_schedules_stops_at_a_wrong_kernel():
+    """A technique that computes otherwise than attention is not timed: the run stops and names it."""
+    import bench_flash_attention_schedules as schedules
+
+    run = bench.Run(Benchmark.FLASH_ATTENTION_SCHEDULES, smoke=True)
+    want = [torch.ones(4)]
+    with pytest.raises(SystemExit, match="past the allowed"):
+        schedules.record_checked(run, Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, {}, lambda: [torch.ones(4) * 1.01],
+                                 want, 0.005, 1.0, (16, 16, 1, 1))
+    assert run.records == []
 
 
 def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):
