@@ -62,44 +62,30 @@ FORWARDS = {Impl.TMA_DESCRIPTORS: (False, False), Impl.TMA_WARP_SPECIALIZED: (Tr
 # --- the forward through tensor descriptors ------------------------------------------------------------------
 
 @triton.jit
-def _attend_tile(desc_q, desc_k, desc_v, desc_o, row, n_ctx, qk_scale, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """One query tile (its first row ``row`` of the (B*H*N, D) views) against its head's keys: lessonlib's loop,
-    non-causal, whole tiles, every tile fetched through a descriptor."""
-    head_start = row // n_ctx * n_ctx
-    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    q = desc_q.load([row, 0])
-    for start_n in tl.range(0, n_ctx, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = desc_k.load([head_start + start_n, 0]).T
-        qk = tl.dot(q, k)
-        m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-        p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([head_start + start_n, 0])
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
-        m_i = m_ij
-    desc_o.store([row, 0], (acc / l_i[:, None]).to(desc_o.dtype))
-
-
-@triton.jit
-def _tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, n_ctx, qk_scale, BLOCK_M: tl.constexpr,
+def _tma_forward_kernel(desc_q, desc_k, desc_v, desc_o, n_ctx, n_tiles, qk_scale, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """One program per (query tile, head), as lessonlib's kernel."""
-    _attend_tile(desc_q, desc_k, desc_v, desc_o, tl.program_id(1) * n_ctx + tl.program_id(0) * BLOCK_M, n_ctx,
-                 qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM, WARP_SPECIALIZE)
-
-
-@triton.jit
-def _tma_persistent_kernel(desc_q, desc_k, desc_v, desc_o, n_ctx, n_tiles, qk_scale, BLOCK_M: tl.constexpr,
-                           BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, WARP_SPECIALIZE: tl.constexpr):
-    """One program per multiprocessor: tile t is rows [t * BLOCK_M, (t + 1) * BLOCK_M) of the (B*H*N, D) views,
-    so the programs at work together hold query tiles of one or two heads."""
+    """lessonlib's loop (non-causal, whole tiles), every tile fetched through a tensor descriptor. Query tile t is
+    rows [t * BLOCK_M, (t + 1) * BLOCK_M) of the (B*H*N, D) views; program p takes tiles p, p + programs, ...: one
+    tile each on lessonlib's grid (a program per tile), several on a persistent grid (a program per multiprocessor,
+    the programs at work together on query tiles of one or two heads, whose K and V stay in L2)."""
     for tile in range(tl.program_id(0), n_tiles, tl.num_programs(0)):
-        _attend_tile(desc_q, desc_k, desc_v, desc_o, tile * BLOCK_M, n_ctx, qk_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                     WARP_SPECIALIZE)
+        row = tile * BLOCK_M
+        head_start = row // n_ctx * n_ctx
+        m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32) + 1.0
+        acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+        q = desc_q.load([row, 0])
+        for start_n in tl.range(0, n_ctx, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+            k = desc_k.load([head_start + start_n, 0]).T
+            qk = tl.dot(q, k)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            p = tl.math.exp2(qk * qk_scale - m_ij[:, None])
+            alpha = tl.math.exp2(m_i - m_ij)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = desc_v.load([head_start + start_n, 0])
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+            m_i = m_ij
+        desc_o.store([row, 0], (acc / l_i[:, None]).to(desc_o.dtype))
 
 
 def tma_forward(q, k, v, tiles, warp_specialize, persistent):
@@ -117,12 +103,9 @@ def tma_forward(q, k, v, tiles, warp_specialize, persistent):
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, WARP_SPECIALIZE=warp_specialize,
                 num_warps=warps, num_stages=stages)
     qk_scale = head_dim ** -0.5 * LOG2E
-    if persistent:
-        n_tiles = rows // block_m
-        programs = min(n_tiles, runtime.gpu_profile().multiprocessors if runtime.on_gpu() else 3)
-        _tma_persistent_kernel[(programs,)](*descriptors, n, n_tiles, qk_scale, **meta)
-    else:
-        _tma_forward_kernel[(n // block_m, batch * heads)](*descriptors, n, qk_scale, **meta)
+    n_tiles = rows // block_m
+    programs = min(n_tiles, runtime.gpu_profile().multiprocessors if runtime.on_gpu() else 3) if persistent else n_tiles
+    _tma_forward_kernel[(programs,)](*descriptors, n, n_tiles, qk_scale, **meta)
     return out
 
 

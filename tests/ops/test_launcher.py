@@ -742,9 +742,10 @@ def planned_op(request, cached, monkeypatch):
 
 
 def _planned_inputs(name, rows=3, width=96, dtype=torch.float32):
+    """On the course's device (validation checks it; the stand-in kernel never reads them)."""
     if name == "swiglu":
-        return torch.randn(rows, width, dtype=dtype), torch.randn(rows, width, dtype=dtype)
-    return torch.randn(rows, width, dtype=dtype), torch.randn(rows, width, dtype=dtype), torch.randn(width, dtype=dtype)
+        return randn(rows, width, dtype=dtype), randn(rows, width, dtype=dtype)
+    return randn(rows, width, dtype=dtype), randn(rows, width, dtype=dtype), randn(width, dtype=dtype)
 
 
 def _outputs(result):
@@ -786,11 +787,11 @@ def test_a_call_unlike_the_plans_takes_the_full_path(planned_op, monkeypatch, ch
     elif change == "rows":
         inputs = _planned_inputs(name, rows=4)
     elif change == "strides":  # the same shape, rows 192 apart
-        inputs = (torch.randn(3, 192)[:, :96], *inputs[1:])
+        inputs = (randn(3, 192)[:, :96], *inputs[1:])
     elif change == "class":
         inputs = (torch.nn.Parameter(inputs[0], requires_grad=False), *inputs[1:])
     elif change == "misaligned":  # the same shape and strides, the address 8 bytes on: aligned to 8, not to 16
-        inputs = (torch.randn(3 * 96 + 2)[2:].view(3, 96), *inputs[1:])
+        inputs = (randn(3 * 96 + 2)[2:].view(3, 96), *inputs[1:])
     elif change == "device":
         _launcher._driver().device = 1  # the cached fixture's stand-in driver, this test's own
     elif change == "launch hook":
@@ -817,11 +818,11 @@ def test_bad_input_after_a_plan_still_raises(planned_op, bad):
     if bad == "mixed dtypes":
         inputs = (inputs[0], inputs[1].half(), *inputs[2:])
     elif bad == "last dimension strided":
-        inputs = (torch.randn(96, 3).t(), *inputs[1:])
+        inputs = (randn(96, 3).t(), *inputs[1:])
     elif bad == "not a tensor":
         inputs = (inputs[0].tolist(), *inputs[1:])
     else:
-        inputs = (inputs[0], torch.randn(3, 95), *inputs[2:])
+        inputs = (inputs[0], randn(3, 95), *inputs[2:])
     launches = len(kernel.calls)
     with pytest.raises((TypeError, ValueError)):
         call(*inputs)
