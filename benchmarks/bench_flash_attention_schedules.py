@@ -102,7 +102,7 @@ def tma_forward(q, k, v, tiles, warp_specialize, persistent):
     descriptors = (descriptor(q, block_m), descriptor(k, block_n), descriptor(v, block_n), descriptor(out, block_m))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, HEAD_DIM=head_dim, WARP_SPECIALIZE=warp_specialize,
                 num_warps=warps, num_stages=stages)
-    qk_scale = head_dim ** -0.5 * LOG2E
+    qk_scale = head_dim ** -0.5 * LOG2E.value  # a float: LOG2E is a tl.constexpr, which a launch would compile in
     n_tiles = rows // block_m
     programs = min(n_tiles, runtime.gpu_profile().multiprocessors if runtime.on_gpu() else 3) if persistent else n_tiles
     _tma_forward_kernel[(programs,)](*descriptors, n, n_tiles, qk_scale, **meta)

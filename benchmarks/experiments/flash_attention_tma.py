@@ -87,4 +87,5 @@ def main():
                 print(f"{label}: {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}", flush=True)
 
 
-main()
+if __name__ == "__main__":
+    main()
