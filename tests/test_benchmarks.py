@@ -195,16 +195,21 @@ def test_bench_flash_attention_schedules_smoke_records_each_technique_checked(tm
                 assert r["us"] > 0 and (allowed is None or r["max_error"] <= allowed), r
 
 
-def test_bench_flash_attention_schedules_stops_at_a_wrong_kernel():
-    """A technique that computes otherwise than attention is not timed: the run stops and names it."""
+def test_bench_flash_attention_schedules_never_times_a_wrong_result():
+    """A technique that computes otherwise than attention is recorded as wrong, with no time; one that fails to
+    compile is recorded with its error; a result of another shape is the script's own bug and raises."""
     import bench_flash_attention_schedules as schedules
 
     run = bench.Run(Benchmark.FLASH_ATTENTION_SCHEDULES, smoke=True)
-    want = [torch.ones(4)]
-    with pytest.raises(SystemExit, match="past the allowed"):
-        schedules.record_checked(run, Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, {}, lambda: [torch.ones(4) * 1.01],
-                                 want, 0.005, 1.0, (16, 16, 1, 1))
-    assert run.records == []
+    want, tiles = [torch.ones(2, 4)], (16, 16, 1, 1)
+    for fn in (lambda: [torch.ones(2, 4) * 1.01], lambda: [torch.full((2, 4), float("nan"))]):
+        schedules.record_checked(run, Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, {}, fn, want, 0.005, 1.0, tiles)
+    schedules.record_checked(run, Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, {}, lambda: 1 / 0, want, 0.005, 1.0, tiles)
+    assert [r["us"] for r in run.records] == [None] * 3
+    assert [r["error"].split(":")[0] for r in run.records] == ["wrong result", "wrong result", "ZeroDivisionError"]
+    with pytest.raises(ValueError, match="shapes"):
+        schedules.record_checked(run, Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, {}, lambda: [torch.ones(4)], want, 0.005,
+                                 1.0, tiles)
 
 
 def test_bench_cuda_graphs_smoke_writes_a_results_file(tmp_path):
