@@ -62,7 +62,7 @@ class Benchmark:
 
 # Benchmarks written but not yet run on the H200: no committed file, and the notebooks say "not recorded yet".
 # The lead's GPU run adds the file; then the benchmark leaves this set (tests/test_results.py checks both ways).
-AWAITING_GPU_RUN: frozenset[str] = frozenset({Benchmark.FLASH_ATTENTION_SCHEDULES})
+AWAITING_GPU_RUN: frozenset[str] = frozenset()
 # Benchmarks whose run on the CPU (plain PyTorch, no interpreter) is committed meanwhile, as recorded_name(b, "cpu").
 RECORDED_ON_CPU: frozenset[str] = frozenset({Benchmark.CHUNKED_PREFILL})
 

@@ -33,7 +33,8 @@ def run_smoke(script: str, tmp_path) -> results.Results:
     return results.load(out)
 
 
-@pytest.mark.parametrize("name", ["fusion", "flash_attention", "paged_attention", "cuda_graphs", "headline", "engine"])
+@pytest.mark.parametrize("name", ["fusion", "flash_attention", "paged_attention", "cuda_graphs", "headline", "engine",
+                                  "flash_attention_schedules", "per_call"])
 def test_every_benchmark_imports_on_cpu_and_names_its_own_results_file(name):
     module = importlib.import_module(f"bench_{name}")
     assert callable(module.main)
