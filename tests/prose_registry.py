@@ -202,7 +202,35 @@ def decode_kv_bytes() -> float:
     return 2 * shape["B"] * shape["H"] * shape["Nkv"] * shape["D"] * 2
 
 
+def technique_tflops(op: str, impl: str, causal: bool) -> list[float]:
+    """TFLOP/s of every timed configuration of one technique in the schedules run (a failed one has no time)."""
+    return [r["tflops"] for r in run("flash-attention-schedules-h200").select(op=op, impl=impl, causal=causal)
+            if r["us"] is not None]
+
+
+def schedules_lessonlib_forward() -> float:
+    return run("flash-attention-schedules-h200").one(op=Op.FORWARD, impl=Impl.LESSONLIB, causal=False)["tflops"]
+
+
+FORWARD_TECHNIQUES = (Impl.TMA_DESCRIPTORS, Impl.TMA_WARP_SPECIALIZED, Impl.TMA_PERSISTENT)
+
+
 LESSON_02 = (
+    Given("02_flash_attention", "schedules-lead", "lessonlib's two kernels (dK and dV per key tile, then dQ per query "
+          "tile", "a count of the backward's kernels, named as the cell names them"),
+    Holds("02_flash_attention", "schedules-read", "None of the three makes the loop faster than lessonlib's kernel",
+          lambda: all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
+                      for t in technique_tflops(Op.FORWARD, i, False)),
+          "every timed configuration of the three techniques below lessonlib's forward in the same run"),
+    Holds("02_flash_attention", "schedules-read", "the atomic schedule's best is slower than the two kernels' best, "
+          "full and causal",
+          lambda: all(max(technique_tflops(Op.BACKWARD, Impl.BACKWARD_ATOMIC_DQ, c))
+                      < max(technique_tflops(Op.BACKWARD, Impl.BACKWARD_TWO_KERNELS, c)) for c in (False, True)),
+          "the best TFLOP/s of each schedule, full and causal"),
+    Holds("02_flash_attention", "schedules-read", "the readable forward loop is also the fastest Triton 3.6 forward found here",
+          lambda: all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
+                      for t in technique_tflops(Op.FORWARD, i, False)),
+          "lessonlib's forward above every timed forward technique of the run"),
     Given("02_flash_attention", "19cdc4e5", "launch overhead \"cut by up to 70%\"", QUOTED),
     Given("02_flash_attention", "launch-bound-lead", "\"cut by up to 70%\"", QUOTED),
     Given("02_flash_attention", "launch-bound-read", "whether \"up to 70%\" is reached", QUOTED),
