@@ -5,7 +5,7 @@
 At decode sizes an op's time is its host time: the Python of validation, allocation and Triton's launch. Each op,
 bf16, at T=1 and T=128 (hidden 4096, intermediate 14336: bench_fusion.py's shapes), through
   * ``lessonlib.ops.<op>`` with the cached launch (ops/_launcher.py: the compiled kernel's own launcher), and
-    from the second call of one signature of inputs its plan (``_launcher.Repeats``: validation and the launch key
+    from the second call of one signature of inputs its plan (``_plans.Plans``: validation and the launch key
     skipped, the C launch function called with the new tensors' addresses);
   * the same with every launch through Triton's plain ``kernel[grid]`` (``_launcher.plain_launches``);
   * the bare ``kernel[grid](...)`` call, inputs and outputs ready (what Triton's launch alone costs);

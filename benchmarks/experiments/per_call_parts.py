@@ -19,7 +19,7 @@ order), microseconds per call. The parts, at swiglu's T=1, I=14336 and add_rms_n
   C launch, ints              3.6's C function itself (CudaLauncher.launch), past the Python __call__
   _launcher.launch            the whole cached launch from the op's arguments
   signature                   the op's signature of its inputs (``_signature``: what a plan is found by)
-  plan launch                 ``_launcher.Repeats.launch``: a plan's launch given the tensors' addresses
+  plan launch                 ``_plans.Plans.launch``: a plan's launch given the tensors' addresses
   the op                      ops.swiglu / ops.add_rms_norm with the cached launch
   eager single op             torch.mul / torch.add: one allocation and one kernel through PyTorch's dispatcher
   eager                       bench_per_call.py's peer (F.silu(g) * u; x + r then F.rms_norm)
@@ -117,10 +117,10 @@ def parts(kernel, grid, args, meta, op_call, eager_rows, tensors, module, inputs
         rows["C launch, ints"] = lambda: c(*g, stream, entry.function, coop, pdl, None, None, entry.packed_metadata,
                                            None, None, None, *ints, *entry.tail)
         op_call(), op_call()
-        plan = module._REPEATS.get(module._signature(*inputs))
+        plan = module._PLANS.get(module._signature(*inputs))
         if plan is not None:
             addresses = tuple(a.data_ptr() for a in args if isinstance(a, torch.Tensor))
-            rows["plan launch"] = lambda: module._REPEATS.launch(plan, *addresses)
+            rows["plan launch"] = lambda: module._PLANS.launch(plan, *addresses)
     return rows, why
 
 

@@ -32,7 +32,7 @@ import triton
 from lessonlib import runtime
 from lessonlib.ops._common import (check_tensors, launch, next_power_of_2, pdl_options, pdl_wait_then_trigger,
                                    tuned)
-from lessonlib.ops._launcher import Repeats
+from lessonlib.ops._plans import Plans
 
 # Rows up to this many elements stay in registers (one read, one write). Wider rows take two passes over the
 # updated residual. Measured on the H200 (bench_fusion.py's register_pressure, 16 warps; the figures are in
@@ -247,11 +247,11 @@ def compiled_forward(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tens
 
 def _forward(x, residual, weight, eps, override):
     signature = _signature(x, residual, weight, eps) if override is None else None
-    plan = _REPEATS.get(signature)
-    if plan is not None:  # inputs like an earlier call's: validated and configured then (_launcher.Repeats)
+    plan = _PLANS.get(signature)
+    if plan is not None:  # inputs like an earlier call's: validated and configured then (_plans.Plans)
         out = torch.empty_like(x, memory_format=torch.contiguous_format)
         residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
-        if _REPEATS.launch(plan, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        if _PLANS.launch(plan, x.data_ptr(), residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
                            residual_out.data_ptr()):
             return out, residual_out, plan.entry.compiled
     _check(x, residual, weight, eps)
@@ -269,12 +269,12 @@ def _forward(x, residual, weight, eps, override):
     args = (x2d, residual2d, weight, out, residual_out, n_cols, x2d.stride(0), residual2d.stride(0), float(eps))
     kernel = launch(_add_rms_norm_kernel, grid, *args, **meta)
     if x.dim() == 2:  # rows as given: a plan passes the inputs' own addresses
-        _REPEATS.remember(signature, grid, args, meta)
+        _PLANS.remember(signature, grid, args, meta)
     return out, residual_out, kernel
 
 
 def _signature(x, residual, weight, eps):
-    """What :func:`_check` and the launch read from the inputs (``_launcher.Repeats``); None for inputs without
+    """What :func:`_check` and the launch read from the inputs (``_plans.Plans``); None for inputs without
     them (a non-tensor: the full path raises) and for an ``eps`` that is not a float (a tensor's value can change)."""
     if eps.__class__ is not float:
         return None
@@ -286,7 +286,7 @@ def _signature(x, residual, weight, eps):
         return None
 
 
-_REPEATS = Repeats(_add_rms_norm_kernel)
+_PLANS = Plans(_add_rms_norm_kernel)
 
 
 # Programs of the backward per multiprocessor: each walks a run of rows with its partial d(weight) in registers.

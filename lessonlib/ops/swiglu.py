@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from lessonlib.ops._common import cdiv, check_tensors, launch, next_power_of_2, num_warps_for, tuned
-from lessonlib.ops._launcher import Repeats
+from lessonlib.ops._plans import Plans
 
 # Columns per program. Swept on the H200 at T=8192, I=14336 bf16, 1-D grid (the sweep records of
 # lessonlib/results/fusion-h200.json): 2048 columns with 8 warps was the fastest, 4,239 GB/s; 1024-2048 columns with
@@ -119,10 +119,10 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = N
     tensor. No autograd: models call :func:`swiglu`. ``config`` overrides :func:`config`'s BLOCK and num_warps: a
     knob for sweeps (benchmarks/bench_fusion.py)."""
     signature = _signature(gate, up) if config is None else None
-    plan = _REPEATS.get(signature)
-    if plan is not None:  # inputs like an earlier call's: validated and configured then (_launcher.Repeats)
+    plan = _PLANS.get(signature)
+    if plan is not None:  # inputs like an earlier call's: validated and configured then (_plans.Plans)
         out = torch.empty_like(gate, memory_format=torch.contiguous_format)
-        if _REPEATS.launch(plan, gate.data_ptr(), up.data_ptr(), out.data_ptr()):
+        if _PLANS.launch(plan, gate.data_ptr(), up.data_ptr(), out.data_ptr()):
             return out
     _check(gate, up)
     out = torch.empty_like(gate, memory_format=torch.contiguous_format)  # half the host time of torch.empty(shape...)
@@ -135,12 +135,12 @@ def swiglu_forward(gate: torch.Tensor, up: torch.Tensor, config: dict | None = N
     args = (gate2d, up2d, out, n_cols, gate2d.stride(0), up2d.stride(0), n_cols)
     launch(_swiglu_kernel, grid, *args, **meta)
     if gate.dim() == 2:  # rows as given: a plan passes the inputs' own addresses
-        _REPEATS.remember(signature, grid, args, meta)
+        _PLANS.remember(signature, grid, args, meta)
     return out
 
 
 def _signature(gate, up):
-    """What :func:`_check` and the launch read from the inputs (``_launcher.Repeats``); None for inputs without
+    """What :func:`_check` and the launch read from the inputs (``_plans.Plans``); None for inputs without
     them (a non-tensor: the full path raises)."""
     try:
         return (gate.__class__, gate.dtype, gate.device, gate.shape, gate.stride(),
@@ -149,7 +149,7 @@ def _signature(gate, up):
         return None
 
 
-_REPEATS = Repeats(_swiglu_kernel)
+_PLANS = Plans(_swiglu_kernel)
 
 
 def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,7 +13,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import CompiledKernel
 
 from lessonlib import ops, reference, runtime
-from lessonlib.ops import _common, _launcher
+from lessonlib.ops import _common, _launcher, _plans
 from lessonlib.ops.flash_attention import flash_attention_dtypes
 from tests.conftest import randn
 
@@ -709,7 +709,7 @@ def test_a_cpu_tensor_given_to_a_cached_configuration_raises_before_launching():
     torch.cuda.synchronize()  # the context is still healthy
 
 
-# --- an op's plans: a repeated signature skips validation and the key (_launcher.Repeats) ------------------------
+# --- an op's plans: a repeated signature skips validation and the key (_plans.Plans) ------------------------
 
 class _Form36Compiled(_Compiled):
     """A stand-in compiled kernel whose launcher has Triton 3.6's form: its C function records each launch."""
@@ -732,7 +732,7 @@ def planned_op(request, cached, monkeypatch):
     kernel = _Kernel(getattr(module, kernel_name).fn)
     kernel.compiled = _Form36Compiled(kernel.calls)
     monkeypatch.setattr(module, kernel_name, kernel)
-    monkeypatch.setattr(module, "_REPEATS", _launcher.Repeats(kernel))
+    monkeypatch.setattr(module, "_PLANS", _plans.Plans(kernel))
     monkeypatch.setattr(_launcher, "_decided", [])
     monkeypatch.setattr(_common.runtime, "on_gpu", lambda: True)  # _common.launch goes to _launcher.launch
     checks, real_check = [], module._check
@@ -761,7 +761,7 @@ def test_a_repeated_signature_skips_validation_and_launches_what_the_cache_would
     assert _kinds(kernel) == ["plain"] and len(checks) == 1
     planned = _outputs(call(*inputs))
     assert _kinds(kernel) == ["plain", "c"] and len(checks) == 1
-    sys.modules[kernel.fn.__module__]._REPEATS.clear()  # the same call through _launcher.launch's cached path
+    sys.modules[kernel.fn.__module__]._PLANS.clear()  # the same call through _launcher.launch's cached path
     cached = _outputs(call(*inputs))
     assert _kinds(kernel) == ["plain", "c", "c"] and len(checks) == 2
     (_, by_plan), (_, by_cache) = kernel.calls[1:]
