@@ -130,7 +130,8 @@ class Impl:
     ADD_RMS_NORM_LAUNCHER = "add_rms_norm_forward (the launcher alone)"
     ADD_RMS_NORM_CUSTOM_OP = "torch.ops.lessonlib.add_rms_norm (custom op dispatch)"
     # per_call: the public op through each launch path (ops/_launcher.py), and add_rms_norm's eager peer
-    LESSONLIB_CACHED_LAUNCH = "lessonlib, cached launch"  # the compiled kernel's own launcher, binder skipped
+    LESSONLIB_CACHED_LAUNCH = "lessonlib, cached launch"  # lessonlib's default path: binder skipped (_launcher.py),
+    # and from the second call of one signature of inputs, validation and the key too (ops/_plans.py)
     LESSONLIB_PLAIN_LAUNCH = "lessonlib, plain kernel[grid] launch"  # Triton's JITFunction.run on every call
     EAGER_ADD_F_RMS_NORM = "eager x + r, F.rms_norm"
     # gated_mlp
