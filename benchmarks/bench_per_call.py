@@ -138,26 +138,28 @@ def plain_call(fn):
         return fn()
 
 
+def skipped(target, name: str, fn):
+    """``fn()``, and whether it ran without calling ``target.<name>`` (spied on for the call, then put back)."""
+    calls, real, own = [], getattr(target, name), name in vars(target)
+    setattr(target, name, lambda *args, **kwargs: calls.append(1) or real(*args, **kwargs))
+    try:
+        return fn(), not calls
+    finally:
+        if own:
+            setattr(target, name, real)
+        else:
+            delattr(target, name)  # the class's method again
+
+
 def binder_skipped(kernel, fn):
     """``fn()``, and whether it launched ``kernel`` without Triton's ``JITFunction.run`` (its binder): whether the
     cached launch, not only its switch, ran for the call the cached peer times."""
-    runs, real_run = [], kernel.run
-    kernel.run = lambda *args, **kwargs: runs.append(1) or real_run(*args, **kwargs)
-    try:
-        return fn(), not runs
-    finally:
-        del kernel.run  # the class's method again
+    return skipped(kernel, "run", fn)
 
 
 def validation_skipped(op, fn):
     """``fn()``, and whether it ran without the op's validation (``_check``): whether the op took its plan."""
-    module = sys.modules[f"lessonlib.ops.{op}"]
-    checks, real_check = [], module._check
-    module._check = lambda *args: checks.append(1) or real_check(*args)
-    try:
-        return fn(), not checks
-    finally:
-        module._check = real_check
+    return skipped(sys.modules[f"lessonlib.ops.{op}"], "_check", fn)
 
 
 def bench_randn(*shape_and_dtype):

@@ -20,7 +20,7 @@ order), microseconds per call. The parts, at swiglu's T=1, I=14336 and add_rms_n
   _launcher.launch            the whole cached launch from the op's arguments
   signature                   the op's signature of its inputs (``_signature``: what a plan is found by)
   plan launch                 ``_plans.Plans.launch``: a plan's launch given the tensors' addresses
-  the op                      ops.swiglu / ops.add_rms_norm with the cached launch
+  the op                      ops.swiglu / ops.add_rms_norm on their default path (a repeated signature: its plan)
   eager single op             torch.mul / torch.add: one allocation and one kernel through PyTorch's dispatcher
   eager                       bench_per_call.py's peer (F.silu(g) * u; x + r then F.rms_norm)
 
