@@ -123,6 +123,56 @@ def test_every_name_resolves_and_the_scoring_process_imports_no_notebook_library
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
 
 
+def _system_errors_on_two_threads(parse, source: str) -> int:
+    """How many of 16 calls of ``parse(source)``, 8 on each of two threads, raise SystemError while the garbage
+    collector runs every 20 allocations and a gc callback hands the GIL to the other thread (``time.sleep(0)``): a
+    switch in the middle of building an AST, where CPython 3.11's per-interpreter counter breaks."""
+    import gc
+    import threading
+    import time
+
+    def hand_over(phase, info):
+        time.sleep(0)
+
+    errors = []
+
+    def work():
+        for _ in range(8):
+            try:
+                parse(source)
+            except SystemError as error:
+                errors.append(error)
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(hand_over)
+    gc.set_threshold(20)
+    try:
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        gc.callbacks.remove(hand_over)
+        gc.set_threshold(*threshold)
+    return len(errors)
+
+
+def test_a_cells_definitions_are_read_safely_on_two_threads():
+    """The grader grades submissions on threads and reads each cell's definitions with ``ast.parse``: on CPython
+    3.11 two parses at once could raise "AST constructor recursion depth mismatch" (CI failed so on 2026-12-03).
+    The same two threads with a bare ``ast.parse`` first show that this Python races."""
+    import ast
+
+    from lessonlib.grading import scoring
+
+    cell = "\n".join(f"def f{i}(a):\n    return [a[j] + ({i} * (a + (j - 1))) for j in range({i})]"
+                     for i in range(40))
+    if _system_errors_on_two_threads(ast.parse, cell) == 0:
+        pytest.skip(f"ast.parse does not race on two threads in Python {sys.version.split()[0]}")
+    assert _system_errors_on_two_threads(scoring._definitions, cell) == 0
+
+
 def test_readme_lists_every_exercise():
     section = (ROOT / "README.md").read_text().split("## For instructors", 1)[1].split("\n## ", 1)[0]
     missing = [e.name for listed in grading.course_exercises(NOTEBOOKS).values() for e in listed

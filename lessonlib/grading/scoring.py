@@ -20,10 +20,16 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 import types
 
 MAGIC = re.compile(r"^(\s*)[%!].*$", re.M)  # an IPython magic or shell line: no meaning outside IPython
+
+# CPython 3.11 keeps the counter that guards building an AST's Python objects per interpreter, not per thread: two
+# threads parsing at once can raise "SystemError: AST constructor recursion depth mismatch" (python/cpython#106905).
+# The grader grades submissions on threads, so every parse here takes this lock.
+AST_LOCK = threading.Lock()
 
 
 class CellTimeout(BaseException):
@@ -116,7 +122,8 @@ def _definitions(source: str) -> str:
     import ast
 
     try:
-        tree = ast.parse(MAGIC.sub(lambda m: f"{m.group(1)}pass", source))
+        with AST_LOCK:
+            tree = ast.parse(MAGIC.sub(lambda m: f"{m.group(1)}pass", source))
     except SyntaxError:
         return ""
     lines = source.splitlines()
@@ -154,7 +161,6 @@ def score(cells: list[dict], box, env: dict[str, str], timeout: float, cell_time
     (status, stdout, ename, evalue)} for each cell that reported, notes); its stdout and stderr go to ``output``."""
     import secrets
     import subprocess
-    import threading
 
     from lessonlib.grading import sandbox
 
@@ -199,7 +205,8 @@ def _parse(line: str, nonce: str, count: int) -> tuple | None:
     import ast
 
     try:
-        entry = ast.literal_eval(line)
+        with AST_LOCK:
+            entry = ast.literal_eval(line)
     except (ValueError, SyntaxError, MemoryError, RecursionError):
         return None
     if (not isinstance(entry, tuple) or len(entry) != 6 or entry[0] != nonce or not isinstance(entry[1], int)
