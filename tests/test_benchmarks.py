@@ -477,3 +477,48 @@ def test_serving_targets_are_read_from_the_records():
         assert got[impl]["met_knee"] == (ours_knee >= 2 * peer_knee)
         assert got[impl]["met_latency_at_peer_knee"] == all(r <= 0.5 for r in ratios)
     assert got["saturation_chunked_over_prefill_first"] == 0.96 and got["met_saturation"] is True
+
+
+def test_the_persistent_chain_kernel_computes_each_round_from_the_last():
+    """benchmarks/experiments/persistent_gemv_chain.py's kernel, in the interpreter with one program (its barrier
+    then waits for nobody), on odd widths and a partial last tile; and its per-round check names a round that read
+    another round's vector."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import persistent_gemv_chain as chain
+
+    import triton
+
+    for k, block_n in ((24, 4), (13, 8)):
+        rounds = 3
+        w = torch.randn(rounds, k, k) / k ** 0.5
+        y = torch.full((rounds + 1, k), float("nan"))  # poisoned: every round must write its vector whole
+        y[0] = torch.randn(k)
+        counter = torch.zeros(1, dtype=torch.int32)
+        chain._persistent_chain_kernel[(1,)](w, y, counter, rounds, k, BLOCK_N=block_n,
+                                             BLOCK_K=triton.next_power_of_2(k), WORK=True)
+        assert counter.item() == rounds
+        # float32 throughout: only the order of summation differs from torch's (a few float32 units)
+        assert chain.worst_round_error(w, y) < 1e-5
+        stale = y.clone()
+        stale[2] = stale[1]
+        assert chain.worst_round_error(w, stale) > 0.1
+
+
+def test_the_step_profile_finds_the_layers_kernels():
+    """decode_step_profile.summarize on a made-up replay: 2 kernels before the layers, 3 layers of 3 kernels (the
+    second overlapping the first, as under PDL), 1 after; each role's advance is how far the step's end moved."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import decode_step_profile as profile
+
+    replay, t = [], 0.0
+    for name, length, overlap in [("embed", 2, 0), ("cos", 1, 0)] + [("qkv", 5, 0), ("attn", 4, 3), ("o", 2, 0)] * 3 \
+            + [("head", 10, 0)]:
+        start = t - overlap
+        replay.append({"name": name, "start": start, "end": start + length})
+        t = start + length
+    summary = profile.summarize(replay, layers=3)
+    assert summary["kernels_per_layer"] == 3 and summary["kernels"] == 12
+    assert [r["name"] for r in summary["roles"]] == ["qkv", "attn", "o"]
+    assert [r["advance_us_per_layer"] for r in summary["roles"]] == [5, 1, 2]
+    assert [o["name"] for o in summary["outside_layers"]] == ["embed", "cos", "head"]
+    assert summary["idle_us"] == 0 and summary["span_us"] == 2 + 1 + 3 * 8 + 10
