@@ -522,3 +522,40 @@ def test_the_step_profile_finds_the_layers_kernels():
     assert [r["advance_us_per_layer"] for r in summary["roles"]] == [5, 1, 2]
     assert [o["name"] for o in summary["outside_layers"]] == ["embed", "cos", "head"]
     assert summary["idle_us"] == 0 and summary["span_us"] == 2 + 1 + 3 * 8 + 10
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_attention_variants_equal_the_lesson_kernel(dtype, monkeypatch):
+    """benchmarks/experiments/decode_attention_latency.py's split kernel (loads before its wait, and the last split of
+    each KV head reducing), in the interpreter, against ops.paged_attention at the same split count: equal, outputs
+    poisoned (NaN) before the kernels write them, a split past a sequence's end and a partial last block included;
+    the counter is back at zero after each call."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import decode_attention_latency as latency
+
+    from lessonlib import ops
+
+    empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        t = empty(*args, **kwargs)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    block_size, head_dim, max_blocks = 16, 16, 5
+    for heads, kv_heads in ((4, 2), (3, 1)):
+        k_cache = torch.randn(11, block_size, kv_heads, head_dim, dtype=dtype)
+        v_cache = torch.randn_like(k_cache)
+        q = torch.randn(2, heads, head_dim, dtype=dtype)
+        table = torch.stack([torch.randperm(11)[:max_blocks] for _ in range(2)]).to(torch.int32)
+        seq_lens = torch.tensor([random.randint(2 * block_size + 1, 3 * block_size - 1), random.randint(1, 15)],
+                                dtype=torch.int32)
+        counter = torch.zeros(2, kv_heads, dtype=torch.int32)
+        for splits in (1, 2, 5):
+            want = ops.paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits)
+            for reduce_last in (False, True):
+                got = latency.attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits,
+                                        reduce_last=reduce_last, counter=counter)
+                # the same arithmetic in the same order (the interpreter's NumPy): equal, not merely close
+                assert torch.equal(got, want), (heads, splits, reduce_last, (got - want).abs().max())
+                assert not counter.any()

@@ -153,6 +153,7 @@ def main():
                 return y
             if per_sm > 1:  # every program must be resident at once, or the barrier waits forever
                 compiled = _persistent_chain_kernel.warmup(w, y, counter, ROUNDS, k, grid=grid, **meta)
+                compiled._init_handles()  # loads the binary: n_regs is known from then on
                 resident = resident_per_sm(compiled.n_regs, compiled.metadata.shared, warps)
                 if resident < per_sm:
                     raise RuntimeError(f"{per_sm} programs per SM asked, {resident} fit ({compiled.n_regs} "

@@ -1,0 +1,301 @@
+"""Experiment (not a recorded benchmark): shorter decode attention in the batch-1 step, by loading earlier.
+
+    python benchmarks/experiments/decode_attention_latency.py [--rounds 3] [--out FILE]
+
+decode_step_profile.py found paged attention's two kernels the largest excess of the batch-1 step on both shapes
+(5.1 µs a layer on the Llama-3.2-1B shape, 4.8 on Qwen2.5-0.5B's, for a few hundred KB of K/V): at that size a split
+is a chain of dependent memory round trips after its ``gdc_wait`` (the sequence's length, then its block table, then
+K/V, once per loop step, then the partial results), and the reduce is one more kernel boundary. Two changes, each
+timed in the whole step (the fused engine's step captured in one CUDA graph, as bench_engine.py times it):
+
+- **prefetch**: the split kernel loads, *before* its wait, what no kernel of a decode step writes: the length, the
+  block table and the K/V of its first loop step, except the block that holds the newest token (the qkv kernel just
+  before writes that token's K/V: those rows are loaded after the wait). The query comes after the wait as before.
+- **last split reduces**: no reduce kernel; each split adds one to a counter of its (sequence, KV head) after storing
+  its partial result, and the split that arrives last combines the partial results of that KV head's query heads
+  (the reduce kernel's arithmetic) and sets the counter back to zero for the next call.
+
+Each with paged_attention's own split count and with one cache block per split (every split's K/V then loaded before
+the wait). Before timing, each variant is compared with the lesson kernel at the same split count (:func:`op_check`):
+the op alone on random inputs, bit for bit for prefetch alone (the same arithmetic on the same values), within one
+unit of the output dtype per element with the last split reducing (the same sums, perhaps in another order); and the
+step's logits, bit for bit for prefetch alone (a stale K/V of the newest token would change them). A variant that
+differs more is recorded and not timed. GPU only (the timing); the kernel itself runs anywhere, and tests/test_benchmarks.py checks it
+against ops.paged_attention in the interpreter.
+
+The prefetch is safe only where the caller can promise that no earlier kernel still running writes any K/V but the
+newest token's, nor the length or the block table: true of the engine's decode step, not of paged_attention in
+general (a prefill's store_kv, say, writes many slots): a library version would need that promise in its signature.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
+from lessonlib.ops._common import launch, next_power_of_2, pdl_options, pdl_wait_then_trigger  # noqa: E402
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+paged = importlib.import_module("lessonlib.ops.paged_attention")  # the module (lessonlib.ops exports the op)
+
+CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step
+
+
+@triton.jit
+def _split_prefetch_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seq_lens_ptr,  # as paged_attention's split kernel
+    partial_out_ptr, partial_max_ptr, partial_sum_ptr,
+    out_ptr,  # REDUCE_LAST: (B, H, D), the combined output
+    counter_ptr,  # REDUCE_LAST: (B, Hkv) int32, zero between calls: splits of that KV head done so far
+    sm_scale,
+    stride_qb, stride_qh,
+    stride_table_b,
+    stride_cache_block, stride_cache_token, stride_cache_head,
+    num_splits, blocks_per_split,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr, PAGE_SIZE: tl.constexpr, PAGES_PER_STEP: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, INPUT_PRECISION: tl.constexpr, PRECISE_EXP: tl.constexpr,
+    REDUCE_LAST: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, HEAD_DIM)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+
+    # Before the wait: what no kernel of a decode step writes.
+    seq_len = tl.load(seq_lens_ptr + b)
+    newest = (seq_len - 1) // PAGE_SIZE  # the block of the token whose K/V the kernel before writes
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, PAGE_SIZE))
+    j = tl.arange(0, PAGES_PER_STEP * PAGE_SIZE)
+    block_of_token = first + j // PAGE_SIZE
+    in_split = block_of_token < last
+    physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
+    offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
+        + kv_head * stride_cache_head + d[None, :]
+    valid = in_split & ((first * PAGE_SIZE + j) < seq_len)
+    older = valid & (block_of_token != newest)
+    k = tl.load(k_cache_ptr + offsets, mask=older[:, None], other=0.0)
+    v = tl.load(v_cache_ptr + offsets, mask=older[:, None], other=0.0)
+
+    pdl_wait_then_trigger(PDL)
+    fresh = valid & (block_of_token == newest)
+    k = tl.where(fresh[:, None], tl.load(k_cache_ptr + offsets, mask=fresh[:, None], other=0.0), k)
+    v = tl.where(fresh[:, None], tl.load(v_cache_ptr + offsets, mask=fresh[:, None], other=0.0), v)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=g_mask[:, None], other=0.0)
+
+    m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if first < last:  # a split past the sequence's end folds nothing in (its max stays -inf, as the lesson kernel's)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m, l, acc = paged._online_softmax_step(m, l, acc, scores, v, PRECISE_EXP, INPUT_PRECISION)
+    for logical in range(first + PAGES_PER_STEP, last, PAGES_PER_STEP):  # the lesson kernel's loop, from step 2
+        block_of_token = logical + j // PAGE_SIZE
+        in_split = block_of_token < last
+        physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
+        offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
+            + kv_head * stride_cache_head + d[None, :]
+        valid = in_split & ((logical * PAGE_SIZE + j) < seq_len)
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
+        scores = tl.where(valid[None, :], scores, float("-inf"))
+        m, l, acc = paged._online_softmax_step(m, l, acc, scores, v, PRECISE_EXP, INPUT_PRECISION)
+
+    row = (b * tl.num_programs(1) * GROUP + heads) * num_splits + split
+    tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], acc, mask=g_mask[:, None])
+    tl.store(partial_max_ptr + row, m, mask=g_mask)
+    tl.store(partial_sum_ptr + row, l, mask=g_mask)
+    if REDUCE_LAST:
+        tl.debug_barrier()  # every thread's partial results stored before the count says so
+        count_at = counter_ptr + b * tl.num_programs(1) + kv_head
+        arrived = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
+        if arrived == num_splits - 1:  # the last split of this KV head: the reduce kernel's work, for its heads
+            tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            s = tl.arange(0, BLOCK_S)
+            s_mask = s < num_splits
+            for gi in tl.static_range(GROUP):
+                at = (b * tl.num_programs(1) * GROUP + kv_head * GROUP + gi) * num_splits  # (b, head)'s first split
+                m_s = tl.load(partial_max_ptr + at + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+                l_s = tl.load(partial_sum_ptr + at + s, mask=s_mask, other=0.0, cache_modifier=".cg")
+                acc_s = tl.load(partial_out_ptr + (at + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None],
+                                other=0.0, cache_modifier=".cg")
+                m_all = tl.max(m_s, axis=0)
+                weight = tl.where(m_s > float("-inf"), paged._exp(m_s - m_all, PRECISE_EXP), 0.0)
+                o = tl.sum(acc_s * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+                head = b * tl.num_programs(1) * GROUP + kv_head * GROUP + gi
+                tl.store(out_ptr + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
+
+
+def attention(q, k_cache, v_cache, block_table, seq_lens, *, num_splits: int | None = None,
+              reduce_last: bool = False, counter: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention_forward's launch with the prefetching split kernel (and, with ``reduce_last``, no reduce
+    kernel: ``counter`` (B, Hkv) int32 zeros, left at zero). No input checks beyond ops.paged_attention's."""
+    paged.check_inputs(q, k_cache, v_cache, block_table, seq_lens, validate=False)
+    batch, heads, head_dim = q.shape
+    _, block_size, kv_heads, _ = k_cache.shape
+    max_blocks = block_table.shape[1]
+    splits = num_splits or paged.num_splits_for(batch, kv_heads, max_blocks)
+    blocks_per_split = max(1, math.ceil(max_blocks / splits))
+    splits = max(1, math.ceil(max_blocks / blocks_per_split))
+    if reduce_last and (counter is None or tuple(counter.shape) != (batch, kv_heads) or counter.dtype != torch.int32):
+        raise ValueError(f"reduce_last needs a ({batch}, {kv_heads}) int32 counter of zeros")
+    partial_out = torch.empty(batch, heads, splits, head_dim, dtype=torch.float32, device=q.device)
+    partial_max = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    partial_sum = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    out = torch.empty(batch, heads, head_dim, dtype=q.dtype, device=q.device)
+    group = heads // kv_heads
+    config = paged.split_config(head_dim, block_size, group, q.dtype)
+    precise = q.dtype == torch.float32 and runtime.on_gpu()
+    launch(_split_prefetch_kernel, (batch, kv_heads, splits),
+           q, k_cache, v_cache, block_table, seq_lens, partial_out, partial_max, partial_sum, out,
+           counter if reduce_last else seq_lens, head_dim ** -0.5,
+           q.stride(0), q.stride(1), block_table.stride(0), *k_cache.stride()[:3], splits, blocks_per_split,
+           GROUP=group, BLOCK_G=paged._block_g(group), PAGE_SIZE=block_size, PAGES_PER_STEP=config["PAGES_PER_STEP"],
+           HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(splits),
+           INPUT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PRECISE_EXP=precise,
+           REDUCE_LAST=reduce_last, num_warps=config["num_warps"], **pdl_options())
+    if not reduce_last:
+        launch(paged._paged_attention_reduce_kernel, (batch * heads,),
+               partial_out, partial_max, partial_sum, out, splits, BLOCK_S=next_power_of_2(splits),
+               HEAD_DIM=head_dim, PRECISE_EXP=precise, num_warps=paged.REDUCE_WARPS, **pdl_options())
+    return out
+
+
+def op_check(config, max_blocks: int, splits: int | None, reduce_last: bool, counter: torch.Tensor,
+             dtype: torch.dtype) -> float:
+    """The variant against ops.paged_attention at the same split count, at the step's shapes (random K/V and
+    query, the context's blocks scattered over the pool): the largest difference in units of the output dtype (its
+    spacing at each element). The prefetch must give 0 (the same arithmetic on the same values); with the last split
+    reducing, at most 1 (the reduce's float32 sums, perhaps in another order, rounded once to the dtype)."""
+    heads, kv_heads, head_dim, block_size = config.num_heads, config.num_kv_heads, config.head_dim, 16
+    pool = max_blocks + 7
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    v_cache = torch.randn_like(k_cache)
+    q = torch.randn(1, heads, head_dim, device="cuda", dtype=dtype)
+    table = torch.randperm(pool, device="cuda")[:max_blocks].to(torch.int32)[None, :]
+    seq_lens = torch.tensor([CONTEXT], device="cuda", dtype=torch.int32)
+    want = ops.paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits)
+    got = attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits, reduce_last=reduce_last,
+                    counter=counter)
+    if reduce_last and counter.any():
+        return math.inf  # the last split did not set its counter back
+    spacing = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
+    return ((got.float() - want.float()).abs() / spacing).max().item()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if not runtime.on_gpu():
+        sys.exit("decode_attention_latency.py times CUDA graphs: it needs a GPU")
+    import bench_engine
+    from lessonlib.engine import LLM, Features, ModelConfig
+    from lessonlib.engine.model import EngineLayer
+    from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu
+    from lessonlib.results import environment
+
+    dtype = runtime.dtype()
+    warm_up_gpu()
+    bandwidth = measure_ceilings().bandwidth_gbs * 1e9
+    shapes = {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")}
+    lesson_attention = EngineLayer.decode_attention
+    rows = []
+    folder = Path(tempfile.mkdtemp(prefix="decode-attention-", dir=runtime.scratch_dir()))
+    try:
+        for name, (shape, family) in shapes.items():
+            path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
+            config = ModelConfig.from_folder(path)
+            element = torch.empty((), dtype=dtype).element_size()
+            limit_us = (config.weight_bytes(element) + 2 * CONTEXT * config.num_layers * config.num_kv_heads
+                        * config.head_dim * element) / bandwidth * 1e6
+            llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=CONTEXT + 128 // 2 + 16,
+                      features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
+            model, k_caches, v_caches = llm.model, llm.runner.k_caches, llm.runner.v_caches
+            max_blocks = llm.runner.max_blocks
+            counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device="cuda")
+            own = paged.num_splits_for(1, config.num_kv_heads, max_blocks)
+            variants = {}
+            for splits, label in ((None, f"paged_attention's split count ({own})"),
+                                  (max_blocks, f"one block a split ({max_blocks})")):
+                variants[("lesson kernel", label)] = (splits, None)
+                variants[("prefetch", label)] = (splits, False)
+                variants[("prefetch, last split reduces", label)] = (splits, True)
+            with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
+                step = lambda: model.logits(model(ids, positions, ctx, k_caches, v_caches))  # noqa: E731
+                truth = {}
+                for round_ in range(args.rounds):
+                    for (kernel, label), (splits, reduce_last) in variants.items():
+                        ctx.decode_splits = splits
+                        if reduce_last is None:
+                            EngineLayer.decode_attention = lesson_attention
+                        else:
+                            EngineLayer.decode_attention = lambda self, q, c, k, v, r=reduce_last: attention(
+                                q, k, v, c.block_table, c.seq_lens, num_splits=c.decode_splits, reduce_last=r,
+                                counter=counter)
+                        try:
+                            worst = 0.0 if reduce_last is None else op_check(
+                                config, max_blocks, splits, reduce_last, counter, dtype)
+                            logits = step().clone()
+                            if reduce_last is None:
+                                truth[label] = logits
+                            # prefetch alone: the step's logits bit for bit (a stale K/V of the newest token, read
+                            # before the qkv kernel wrote it, would change them); the last split reducing may move an
+                            # attention output by one unit, which the layers after it carry on: reported, not gated
+                            agrees = worst == 0 if reduce_last is not True else worst <= 1
+                            same_logits = torch.equal(logits, truth[label])
+                            agrees = agrees and (same_logits or reduce_last is True) and bool(logits.isfinite().all())
+                            row = {"shape": name, "kernel": kernel, "splits": label, "round": round_ + 1,
+                                   "agrees": agrees, "op_worst_difference_in_units": round(worst, 3),
+                                   "step_logits_equal": same_logits,
+                                   "step_logits_largest_difference": (logits - truth[label]).abs().max().item()}
+                            if agrees:
+                                us = time_graph(step).median_us
+                                row.update({"gpu_us": round(us, 1), "limit_us": round(limit_us, 1),
+                                            "fraction_of_limit": round(limit_us / us, 3)})
+                            print(f"{name:14s} {kernel:30s} {label:32s} round {round_ + 1}: " + (
+                                f"{row['gpu_us']:7.1f} us ({row['fraction_of_limit']:.3f})" if agrees else
+                                f"DIFFERS (op {worst:.3g} units, logits equal: {same_logits}): not timed"),
+                                flush=True)
+                        except Exception as error:  # a compile error: recorded, the others still timed
+                            row = {"shape": name, "kernel": kernel, "splits": label, "round": round_ + 1,
+                                   "error": f"{type(error).__name__}: {error}"[:2000]}
+                            print(f"{name} {kernel} {label}: {row['error'][:300]}", flush=True)
+                        rows.append(row)
+            EngineLayer.decode_attention = lesson_attention
+            del llm, model, k_caches, v_caches
+            torch.cuda.empty_cache()
+            shutil.rmtree(folder / name, ignore_errors=True)
+    finally:
+        EngineLayer.decode_attention = lesson_attention
+        shutil.rmtree(folder, ignore_errors=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({
+            "command": f"python benchmarks/experiments/decode_attention_latency.py --rounds {args.rounds}",
+            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1), "context": CONTEXT,
+            "results": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
