@@ -559,3 +559,16 @@ def test_decode_attention_variants_equal_the_lesson_kernel(dtype, monkeypatch):
                 # the same arithmetic in the same order (the interpreter's NumPy): equal, not merely close
                 assert torch.equal(got, want), (heads, splits, reduce_last, (got - want).abs().max())
                 assert not counter.any()
+
+
+def test_decode_attention_experiment_smoke_checks_every_variant_in_the_step(tmp_path):
+    """decode_attention_latency.py --smoke: a tiny engine's fused decode step with each attention variant, in the
+    interpreter; every variant agrees with the lesson kernel at its split count (the op alone and the step's
+    logits), and nothing is timed."""
+    import json
+
+    out = tmp_path / "smoke.json"
+    run_script("experiments/decode_attention_latency.py", "--smoke", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    assert len(rows) == 6 and all(r["agrees"] and r["step_logits_equal"] for r in rows), rows
+    assert not any("gpu_us" in r for r in rows)

@@ -182,18 +182,19 @@ def attention(q, k_cache, v_cache, block_table, seq_lens, *, num_splits: int | N
 
 
 def op_check(config, max_blocks: int, splits: int | None, reduce_last: bool, counter: torch.Tensor,
-             dtype: torch.dtype) -> float:
+             dtype: torch.dtype, context: int) -> float:
     """The variant against ops.paged_attention at the same split count, at the step's shapes (random K/V and
     query, the context's blocks scattered over the pool): the largest difference in units of the output dtype (its
     spacing at each element). The prefetch must give 0 (the same arithmetic on the same values); with the last split
     reducing, at most 1 (the reduce's float32 sums, perhaps in another order, rounded once to the dtype)."""
     heads, kv_heads, head_dim, block_size = config.num_heads, config.num_kv_heads, config.head_dim, 16
     pool = max_blocks + 7
-    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    device = counter.device
+    k_cache = torch.randn(pool, block_size, kv_heads, head_dim, device=device, dtype=dtype)
     v_cache = torch.randn_like(k_cache)
-    q = torch.randn(1, heads, head_dim, device="cuda", dtype=dtype)
-    table = torch.randperm(pool, device="cuda")[:max_blocks].to(torch.int32)[None, :]
-    seq_lens = torch.tensor([CONTEXT], device="cuda", dtype=torch.int32)
+    q = torch.randn(1, heads, head_dim, device=device, dtype=dtype)
+    table = torch.randperm(pool, device=device)[:max_blocks].to(torch.int32)[None, :]
+    seq_lens = torch.tensor([context], device=device, dtype=torch.int32)
     want = ops.paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits)
     got = attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits, reduce_last=reduce_last,
                     counter=counter)
@@ -206,10 +207,12 @@ def op_check(config, max_blocks: int, splits: int | None, reduce_last: bool, cou
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true",
+                        help="a tiny model, one round, every check, nothing timed: runs anywhere (the interpreter)")
     parser.add_argument("--out")
     args = parser.parse_args()
-    if not runtime.on_gpu():
-        sys.exit("decode_attention_latency.py times CUDA graphs: it needs a GPU")
+    if not (runtime.on_gpu() or args.smoke):
+        sys.exit("decode_attention_latency.py times CUDA graphs: it needs a GPU (or --smoke)")
     import bench_engine
     from lessonlib.engine import LLM, Features, ModelConfig
     from lessonlib.engine.model import EngineLayer
@@ -217,9 +220,14 @@ def main():
     from lessonlib.results import environment
 
     dtype = runtime.dtype()
-    warm_up_gpu()
-    bandwidth = measure_ceilings().bandwidth_gbs * 1e9
-    shapes = {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")}
+    timed = not args.smoke
+    if timed:
+        warm_up_gpu()
+    bandwidth = measure_ceilings().bandwidth_gbs * 1e9 if timed else None
+    shapes = ({"tiny": (bench_engine.TINY, "Llama")} if args.smoke else
+              {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")})
+    context = 40 if args.smoke else CONTEXT
+    rounds = 1 if args.smoke else args.rounds
     lesson_attention = EngineLayer.decode_attention
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="decode-attention-", dir=runtime.scratch_dir()))
@@ -228,13 +236,13 @@ def main():
             path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
             config = ModelConfig.from_folder(path)
             element = torch.empty((), dtype=dtype).element_size()
-            limit_us = (config.weight_bytes(element) + 2 * CONTEXT * config.num_layers * config.num_kv_heads
-                        * config.head_dim * element) / bandwidth * 1e6
-            llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=CONTEXT + 128 // 2 + 16,
+            limit_us = (config.weight_bytes(element) + 2 * context * config.num_layers * config.num_kv_heads
+                        * config.head_dim * element) / bandwidth * 1e6 if timed else None
+            llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=context + 128 // 2 + 16,
                       features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
             model, k_caches, v_caches = llm.model, llm.runner.k_caches, llm.runner.v_caches
             max_blocks = llm.runner.max_blocks
-            counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device="cuda")
+            counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device=llm.runner.device)
             own = paged.num_splits_for(1, config.num_kv_heads, max_blocks)
             variants = {}
             for splits, label in ((None, f"paged_attention's split count ({own})"),
@@ -242,10 +250,10 @@ def main():
                 variants[("lesson kernel", label)] = (splits, None)
                 variants[("prefetch", label)] = (splits, False)
                 variants[("prefetch, last split reduces", label)] = (splits, True)
-            with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
+            with bench_engine.decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
                 step = lambda: model.logits(model(ids, positions, ctx, k_caches, v_caches))  # noqa: E731
                 truth = {}
-                for round_ in range(args.rounds):
+                for round_ in range(rounds):
                     for (kernel, label), (splits, reduce_last) in variants.items():
                         ctx.decode_splits = splits
                         if reduce_last is None:
@@ -256,7 +264,7 @@ def main():
                                 counter=counter)
                         try:
                             worst = 0.0 if reduce_last is None else op_check(
-                                config, max_blocks, splits, reduce_last, counter, dtype)
+                                config, max_blocks, splits, reduce_last, counter, dtype, context)
                             logits = step().clone()
                             if reduce_last is None:
                                 truth[label] = logits
@@ -270,11 +278,12 @@ def main():
                                    "agrees": agrees, "op_worst_difference_in_units": round(worst, 3),
                                    "step_logits_equal": same_logits,
                                    "step_logits_largest_difference": (logits - truth[label]).abs().max().item()}
-                            if agrees:
+                            if agrees and timed:
                                 us = time_graph(step).median_us
                                 row.update({"gpu_us": round(us, 1), "limit_us": round(limit_us, 1),
                                             "fraction_of_limit": round(limit_us / us, 3)})
                             print(f"{name:14s} {kernel:30s} {label:32s} round {round_ + 1}: " + (
+                                "agrees" if agrees and not timed else
                                 f"{row['gpu_us']:7.1f} us ({row['fraction_of_limit']:.3f})" if agrees else
                                 f"DIFFERS (op {worst:.3g} units, logits equal: {same_logits}): not timed"),
                                 flush=True)
@@ -292,8 +301,10 @@ def main():
         shutil.rmtree(folder, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": f"python benchmarks/experiments/decode_attention_latency.py --rounds {args.rounds}",
-            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1), "context": CONTEXT,
+            "command": f"python benchmarks/experiments/decode_attention_latency.py --rounds {args.rounds}"
+                       + (" --smoke" if args.smoke else ""),
+            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if timed else None,
+            "context": context,
             "results": rows}, indent=1))
 
 
