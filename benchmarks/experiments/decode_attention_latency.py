@@ -126,24 +126,35 @@ def _split_prefetch_kernel(
     tl.store(partial_max_ptr + row, m, mask=g_mask)
     tl.store(partial_sum_ptr + row, l, mask=g_mask)
     if REDUCE_LAST:
-        tl.debug_barrier()  # every thread's partial results stored before the count says so
-        count_at = counter_ptr + b * tl.num_programs(1) + kv_head
-        arrived = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
-        if arrived == num_splits - 1:  # the last split of this KV head: the reduce kernel's work, for its heads
-            tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")  # ready for the next call
-            s = tl.arange(0, BLOCK_S)
-            s_mask = s < num_splits
-            for gi in tl.static_range(GROUP):
-                at = (b * tl.num_programs(1) * GROUP + kv_head * GROUP + gi) * num_splits  # (b, head)'s first split
-                m_s = tl.load(partial_max_ptr + at + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-                l_s = tl.load(partial_sum_ptr + at + s, mask=s_mask, other=0.0, cache_modifier=".cg")
-                acc_s = tl.load(partial_out_ptr + (at + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None],
-                                other=0.0, cache_modifier=".cg")
-                m_all = tl.max(m_s, axis=0)
-                weight = tl.where(m_s > float("-inf"), paged._exp(m_s - m_all, PRECISE_EXP), 0.0)
-                o = tl.sum(acc_s * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
-                head = b * tl.num_programs(1) * GROUP + kv_head * GROUP + gi
-                tl.store(out_ptr + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
+        _last_split_reduces(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, counter_ptr, b, kv_head,
+                            tl.num_programs(1), d, num_splits, GROUP, HEAD_DIM, BLOCK_S, PRECISE_EXP)
+
+
+@triton.jit
+def _last_split_reduces(partial_out_ptr, partial_max_ptr, partial_sum_ptr, out_ptr, counter_ptr, b, kv_head, kv_heads,
+                        d, num_splits, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr,
+                        PRECISE_EXP: tl.constexpr):
+    """After a split stored its partial results: count it; the split that arrives last for its (sequence, KV head)
+    combines the partial results of that KV head's query heads (the reduce kernel's arithmetic) and sets the count
+    back to zero for the next call."""
+    tl.debug_barrier()  # every thread's partial results stored before the count says so
+    count_at = counter_ptr + b * kv_heads + kv_head
+    arrived = tl.atomic_add(count_at, 1, sem="acq_rel", scope="gpu")
+    if arrived == num_splits - 1:
+        tl.atomic_xchg(count_at, 0, sem="relaxed", scope="gpu")
+        s = tl.arange(0, BLOCK_S)
+        s_mask = s < num_splits
+        for gi in tl.static_range(GROUP):
+            head = b * kv_heads * GROUP + kv_head * GROUP + gi
+            at = head * num_splits  # (b, head)'s first split; loads from the L2: other programs wrote them
+            m_s = tl.load(partial_max_ptr + at + s, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
+            l_s = tl.load(partial_sum_ptr + at + s, mask=s_mask, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(partial_out_ptr + (at + s)[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None],
+                            other=0.0, cache_modifier=".cg")
+            m_all = tl.max(m_s, axis=0)
+            weight = tl.where(m_s > float("-inf"), paged._exp(m_s - m_all, PRECISE_EXP), 0.0)
+            o = tl.sum(acc_s * weight[:, None], axis=0) / tl.sum(l_s * weight, axis=0)
+            tl.store(out_ptr + head * HEAD_DIM + d, o.to(out_ptr.dtype.element_ty))
 
 
 def attention(q, k_cache, v_cache, block_table, seq_lens, *, num_splits: int | None = None,
@@ -204,6 +215,79 @@ def op_check(config, max_blocks: int, splits: int | None, reduce_last: bool, cou
     return ((got.float() - want.float()).abs() / spacing).max().item()
 
 
+def check_and_time(step, truth: dict, label: str, reduce_last: bool | None, worst: float, limit_us: float | None,
+                   timed: bool) -> dict:
+    """Run the step with the variant in place, compare (see the module's docstring), time it in a CUDA graph if it
+    agrees and ``timed``. The lesson kernel's run (``reduce_last`` None) becomes ``truth[label]``."""
+    from lessonlib.measure import time_graph
+
+    logits = step().clone()
+    if reduce_last is None:
+        truth[label] = logits
+    # prefetch alone: the step's logits bit for bit (a stale K/V of the newest token, read before the qkv kernel
+    # wrote it, would change them); the last split reducing may move an attention output by one unit, which the
+    # layers after it carry on: reported, not gated
+    same_logits = torch.equal(logits, truth[label])
+    agrees = (worst == 0 and same_logits) if reduce_last is not True else worst <= 1
+    agrees = agrees and bool(logits.isfinite().all())
+    row = {"agrees": agrees, "op_worst_difference_in_units": round(worst, 3), "step_logits_equal": same_logits,
+           "step_logits_largest_difference": (logits - truth[label]).abs().max().item()}
+    if agrees and timed:
+        us = time_graph(step).median_us
+        row.update({"gpu_us": round(us, 1), "limit_us": round(limit_us, 1), "fraction_of_limit": round(limit_us / us, 3)})
+    return row
+
+
+def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: int, bandwidth: float | None) -> list:
+    """Every variant on one engine (``Features(fused_decode_layer=True)``), ``rounds`` times, interleaved."""
+    from lessonlib.engine import LLM, Features, ModelConfig
+    from lessonlib.engine.model import EngineLayer
+
+    import bench_engine
+
+    config = ModelConfig.from_folder(path)
+    element = torch.empty((), dtype=dtype).element_size()
+    limit_us = (config.weight_bytes(element) + 2 * context * config.num_layers * config.num_kv_heads
+                * config.head_dim * element) / bandwidth * 1e6 if bandwidth else None
+    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=context + 128 // 2 + 16,
+              features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
+    model, k_caches, v_caches, max_blocks = llm.model, llm.runner.k_caches, llm.runner.v_caches, llm.runner.max_blocks
+    counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device=llm.runner.device)
+    own = paged.num_splits_for(1, config.num_kv_heads, max_blocks)
+    variants = {}
+    for splits, label in ((None, f"paged_attention's split count ({own})"),
+                          (max_blocks, f"one block a split ({max_blocks})")):
+        variants |= {("lesson kernel", label): (splits, None), ("prefetch", label): (splits, False),
+                     ("prefetch, last split reduces", label): (splits, True)}
+    lesson_attention, rows, truth = EngineLayer.decode_attention, [], {}
+    try:
+        with bench_engine.decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
+            step = lambda: model.logits(model(ids, positions, ctx, k_caches, v_caches))  # noqa: E731
+            for round_ in range(rounds):
+                for (kernel, label), (splits, reduce_last) in variants.items():
+                    ctx.decode_splits = splits
+                    EngineLayer.decode_attention = lesson_attention if reduce_last is None else (
+                        lambda self, q, c, k, v, r=reduce_last: attention(
+                            q, k, v, c.block_table, c.seq_lens, num_splits=c.decode_splits, reduce_last=r,
+                            counter=counter))
+                    row = {"shape": name, "kernel": kernel, "splits": label, "round": round_ + 1}
+                    try:
+                        worst = 0.0 if reduce_last is None else op_check(
+                            config, max_blocks, splits, reduce_last, counter, dtype, context)
+                        row |= check_and_time(step, truth, label, reduce_last, worst, limit_us, bandwidth is not None)
+                        print(f"{name:14s} {kernel:30s} {label:32s} round {round_ + 1}: " + (
+                            f"DIFFERS (op {worst:.3g} units, logits equal: {row['step_logits_equal']}): not timed"
+                            if not row["agrees"] else f"{row['gpu_us']:7.1f} us ({row['fraction_of_limit']:.3f})"
+                            if "gpu_us" in row else "agrees"), flush=True)
+                    except Exception as error:  # a compile error: recorded, the others still timed
+                        row["error"] = f"{type(error).__name__}: {error}"[:2000]
+                        print(f"{name} {kernel} {label}: {row['error'][:300]}", flush=True)
+                    rows.append(row)
+    finally:
+        EngineLayer.decode_attention = lesson_attention
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -214,98 +298,34 @@ def main():
     if not (runtime.on_gpu() or args.smoke):
         sys.exit("decode_attention_latency.py times CUDA graphs: it needs a GPU (or --smoke)")
     import bench_engine
-    from lessonlib.engine import LLM, Features, ModelConfig
-    from lessonlib.engine.model import EngineLayer
-    from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu
+    from lessonlib.measure import measure_ceilings, warm_up_gpu
     from lessonlib.results import environment
 
     dtype = runtime.dtype()
-    timed = not args.smoke
-    if timed:
+    bandwidth = None
+    if not args.smoke:
         warm_up_gpu()
-    bandwidth = measure_ceilings().bandwidth_gbs * 1e9 if timed else None
+        bandwidth = measure_ceilings().bandwidth_gbs * 1e9
     shapes = ({"tiny": (bench_engine.TINY, "Llama")} if args.smoke else
               {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")})
     context = 40 if args.smoke else CONTEXT
-    rounds = 1 if args.smoke else args.rounds
-    lesson_attention = EngineLayer.decode_attention
     rows = []
     folder = Path(tempfile.mkdtemp(prefix="decode-attention-", dir=runtime.scratch_dir()))
     try:
         for name, (shape, family) in shapes.items():
             path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
-            config = ModelConfig.from_folder(path)
-            element = torch.empty((), dtype=dtype).element_size()
-            limit_us = (config.weight_bytes(element) + 2 * context * config.num_layers * config.num_kv_heads
-                        * config.head_dim * element) / bandwidth * 1e6 if timed else None
-            llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=context + 128 // 2 + 16,
-                      features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
-            model, k_caches, v_caches = llm.model, llm.runner.k_caches, llm.runner.v_caches
-            max_blocks = llm.runner.max_blocks
-            counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device=llm.runner.device)
-            own = paged.num_splits_for(1, config.num_kv_heads, max_blocks)
-            variants = {}
-            for splits, label in ((None, f"paged_attention's split count ({own})"),
-                                  (max_blocks, f"one block a split ({max_blocks})")):
-                variants[("lesson kernel", label)] = (splits, None)
-                variants[("prefetch", label)] = (splits, False)
-                variants[("prefetch, last split reduces", label)] = (splits, True)
-            with bench_engine.decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
-                step = lambda: model.logits(model(ids, positions, ctx, k_caches, v_caches))  # noqa: E731
-                truth = {}
-                for round_ in range(rounds):
-                    for (kernel, label), (splits, reduce_last) in variants.items():
-                        ctx.decode_splits = splits
-                        if reduce_last is None:
-                            EngineLayer.decode_attention = lesson_attention
-                        else:
-                            EngineLayer.decode_attention = lambda self, q, c, k, v, r=reduce_last: attention(
-                                q, k, v, c.block_table, c.seq_lens, num_splits=c.decode_splits, reduce_last=r,
-                                counter=counter)
-                        try:
-                            worst = 0.0 if reduce_last is None else op_check(
-                                config, max_blocks, splits, reduce_last, counter, dtype, context)
-                            logits = step().clone()
-                            if reduce_last is None:
-                                truth[label] = logits
-                            # prefetch alone: the step's logits bit for bit (a stale K/V of the newest token, read
-                            # before the qkv kernel wrote it, would change them); the last split reducing may move an
-                            # attention output by one unit, which the layers after it carry on: reported, not gated
-                            agrees = worst == 0 if reduce_last is not True else worst <= 1
-                            same_logits = torch.equal(logits, truth[label])
-                            agrees = agrees and (same_logits or reduce_last is True) and bool(logits.isfinite().all())
-                            row = {"shape": name, "kernel": kernel, "splits": label, "round": round_ + 1,
-                                   "agrees": agrees, "op_worst_difference_in_units": round(worst, 3),
-                                   "step_logits_equal": same_logits,
-                                   "step_logits_largest_difference": (logits - truth[label]).abs().max().item()}
-                            if agrees and timed:
-                                us = time_graph(step).median_us
-                                row.update({"gpu_us": round(us, 1), "limit_us": round(limit_us, 1),
-                                            "fraction_of_limit": round(limit_us / us, 3)})
-                            print(f"{name:14s} {kernel:30s} {label:32s} round {round_ + 1}: " + (
-                                "agrees" if agrees and not timed else
-                                f"{row['gpu_us']:7.1f} us ({row['fraction_of_limit']:.3f})" if agrees else
-                                f"DIFFERS (op {worst:.3g} units, logits equal: {same_logits}): not timed"),
-                                flush=True)
-                        except Exception as error:  # a compile error: recorded, the others still timed
-                            row = {"shape": name, "kernel": kernel, "splits": label, "round": round_ + 1,
-                                   "error": f"{type(error).__name__}: {error}"[:2000]}
-                            print(f"{name} {kernel} {label}: {row['error'][:300]}", flush=True)
-                        rows.append(row)
-            EngineLayer.decode_attention = lesson_attention
-            del llm, model, k_caches, v_caches
-            torch.cuda.empty_cache()
+            rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
+            if runtime.on_gpu():
+                torch.cuda.empty_cache()
             shutil.rmtree(folder / name, ignore_errors=True)
     finally:
-        EngineLayer.decode_attention = lesson_attention
         shutil.rmtree(folder, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": f"python benchmarks/experiments/decode_attention_latency.py --rounds {args.rounds}"
-                       + (" --smoke" if args.smoke else ""),
-            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if timed else None,
-            "context": context,
-            "results": rows}, indent=1))
+            "command": "python benchmarks/experiments/decode_attention_latency.py "
+                       + ("--smoke" if args.smoke else f"--rounds {args.rounds}"),
+            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if bandwidth else None,
+            "context": context, "results": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -115,6 +115,41 @@ def summarize(replay: list[dict], layers: int) -> dict:
                          for k in replay]}
 
 
+def profile_shape(name: str, path: Path, dtype: torch.dtype, bandwidth: float, flush: torch.Tensor) -> list[dict]:
+    """One engine's step, profiled with paged_attention's own split count and with one split."""
+    config = ModelConfig.from_folder(path)
+    element = torch.empty((), dtype=dtype).element_size()
+    step_bytes = (config.weight_bytes(element)
+                  + 2 * CONTEXT * config.num_layers * config.num_kv_heads * config.head_dim * element)
+    limit_us = step_bytes / bandwidth * 1e6
+    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=CONTEXT + 16, features=Features(fused_decode_layer=True))
+    model, k, v = llm.model, llm.runner.k_caches, llm.runner.v_caches
+    rows = []
+    for splits in (None, 1):
+        with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
+            ctx.decode_splits = splits
+            step = lambda: model.logits(model(ids, positions, ctx, k, v))  # noqa: E731
+            us = time_graph(step).median_us
+            replays = profile_step(step, flush)
+        spans = [r[-1]["end"] - r[0]["start"] for r in replays]
+        median = replays[spans.index(sorted(spans)[len(spans) // 2])]
+        row = {"shape": name, "decode_splits": splits or "paged_attention's choice", "gpu_us": round(us, 1),
+               "limit_us": round(limit_us, 1), "fraction_of_limit": round(limit_us / us, 3),
+               "replays_profiled": len(replays), **summarize(median, config.num_layers)}
+        rows.append(row)
+        print(f"{name} splits={splits}: {us:.1f} us (limit {limit_us:.1f}, {limit_us / us:.3f}); profiled "
+              f"span {row['span_us']} us, {row['kernels']} kernels, busy {row['busy_us']}, idle "
+              f"{row['idle_us']}", flush=True)
+        for role in row["roles"]:
+            print(f"   role {role['role']}: {role['us_per_layer']:7.2f} us/layer (advance "
+                  f"{role['advance_us_per_layer']:6.2f}), all layers {role['us_all_layers']:8.1f} us (advance "
+                  f"{role['advance_us_all_layers']:7.1f})  {role['name'][:80]}", flush=True)
+        for other in row["outside_layers"]:
+            print(f"   outside: {other['us']:7.2f} us (advance {other['advance_us']:6.2f})  "
+                  f"{other['name'][:80]}", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
@@ -130,37 +165,7 @@ def main():
     try:
         for name, (shape, family) in SHAPES.items():
             path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
-            config = ModelConfig.from_folder(path)
-            element = torch.empty((), dtype=dtype).element_size()
-            step_bytes = (config.weight_bytes(element)
-                          + 2 * CONTEXT * config.num_layers * config.num_kv_heads * config.head_dim * element)
-            limit_us = step_bytes / bandwidth * 1e6
-            llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=CONTEXT + 16,
-                      features=Features(fused_decode_layer=True))
-            model, k, v = llm.model, llm.runner.k_caches, llm.runner.v_caches
-            for splits in (None, 1):
-                with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
-                    ctx.decode_splits = splits
-                    step = lambda: model.logits(model(ids, positions, ctx, k, v))  # noqa: E731
-                    us = time_graph(step).median_us
-                    replays = profile_step(step, flush)
-                spans = [r[-1]["end"] - r[0]["start"] for r in replays]
-                median = replays[spans.index(sorted(spans)[len(spans) // 2])]
-                row = {"shape": name, "decode_splits": splits or "paged_attention's choice", "gpu_us": round(us, 1),
-                       "limit_us": round(limit_us, 1), "fraction_of_limit": round(limit_us / us, 3),
-                       "replays_profiled": len(replays), **summarize(median, config.num_layers)}
-                rows.append(row)
-                print(f"{name} splits={splits}: {us:.1f} us (limit {limit_us:.1f}, {limit_us / us:.3f}); profiled "
-                      f"span {row['span_us']} us, {row['kernels']} kernels, busy {row['busy_us']}, idle "
-                      f"{row['idle_us']}", flush=True)
-                for role in row["roles"]:
-                    print(f"   role {role['role']}: {role['us_per_layer']:7.2f} us/layer (advance "
-                          f"{role['advance_us_per_layer']:6.2f}), all layers {role['us_all_layers']:8.1f} us (advance "
-                          f"{role['advance_us_all_layers']:7.1f})  {role['name'][:80]}", flush=True)
-                for other in row["outside_layers"]:
-                    print(f"   outside: {other['us']:7.2f} us (advance {other['advance_us']:6.2f})  "
-                          f"{other['name'][:80]}", flush=True)
-            del llm, model, k, v
+            rows += profile_shape(name, path, dtype, bandwidth, flush)
             torch.cuda.empty_cache()
             shutil.rmtree(folder / name, ignore_errors=True)
     finally:

@@ -117,86 +117,91 @@ def worst_round_error(w: torch.Tensor, vectors: torch.Tensor) -> float:
     return ((vectors[1:].float() - truth).norm(dim=1) / truth.norm(dim=1)).max().item()
 
 
+def run_hidden(label: str, k: int, sms: int, bandwidth: float) -> list[dict]:
+    """Every variant on a chain of ROUNDS k x k GEMVs: checked, then timed (a wrong or unrunnable one recorded)."""
+    dtype, rows = torch.bfloat16, []
+    w = torch.randn(ROUNDS, k, k, device="cuda", dtype=dtype) / k ** 0.5
+    x = torch.randn(k, device="cuda", dtype=dtype)
+    limit_us = w.numel() * w.element_size() / bandwidth * 1e6
+
+    def per_gemv():
+        vectors = [x[None, :]]
+        for r in range(ROUNDS):
+            vectors.append(ops.decode_gemv(vectors[-1], w[r]))
+        return torch.cat(vectors)
+
+    y = torch.empty(ROUNDS + 1, k, device="cuda", dtype=dtype)
+    y[0] = x
+    counter = torch.zeros(1, device="cuda", dtype=torch.int32)
+
+    def persistent(block_n, warps, per_sm=1, work=True):
+        grid = (sms * per_sm,)
+        meta = dict(BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), WORK=work, num_warps=warps)
+
+        def run():
+            counter.zero_()
+            _persistent_chain_kernel[grid](w, y, counter, ROUNDS, k, **meta)
+            return y
+        if per_sm > 1:  # every program must be resident at once, or the barrier waits forever
+            compiled = _persistent_chain_kernel.warmup(w, y, counter, ROUNDS, k, grid=grid, **meta)
+            compiled._init_handles()  # loads the binary: n_regs is known from then on
+            resident = resident_per_sm(compiled.n_regs, compiled.metadata.shared, warps)
+            if resident < per_sm:
+                raise RuntimeError(f"{per_sm} programs per SM asked, {resident} fit ({compiled.n_regs} "
+                                   f"registers a thread, {compiled.metadata.shared} B of shared memory): not run")
+        return run
+
+    variants = {"ops.decode_gemv per GEMV (CUDA graph)": per_gemv}
+    for block_n, warps in ((4, 4), (8, 8), (2, 4)):
+        variants[f"persistent, BLOCK_N={block_n}, {warps} warps"] = lambda b=block_n, n=warps: persistent(b, n)
+    # Programs enough that each owns one tile a round, the next round's tile loaded before the barrier: the
+    # whole matrix in flight while the barrier waits (Llama's 8 MB fits the H200's 33 MB of registers).
+    for block_n, warps, per_sm in ((8, 8, 2), (8, 4, 2), (4, 4, 2), (4, 4, 4)):
+        variants[f"persistent, BLOCK_N={block_n}, {warps} warps, {per_sm} programs per SM"] = \
+            lambda b=block_n, n=warps, m=per_sm: persistent(b, n, m)
+    barriers_only = persistent(4, 4, work=False)
+    for name, make in variants.items():
+        with torch.inference_mode():
+            try:
+                run = make() if name.startswith("persistent") else make
+                vectors = run()
+                torch.cuda.synchronize()
+            except Exception as error:  # a compile error, or too few resident: recorded, the others still timed
+                rows.append({"hidden": label, "impl": name, "error": f"{type(error).__name__}: {error}"[:2000]})
+                print(f"{label} {name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
+                continue
+            error = worst_round_error(w, vectors)
+            row = {"hidden": label, "impl": name, "rounds": ROUNDS, "worst_round_error": round(error, 5)}
+            if not error <= 2 ** -7:
+                row["wrong"] = True
+                print(f"{label} {name}: WRONG, relative error {error:.3g}", flush=True)
+                rows.append(row)
+                continue
+            us = time_graph(run).median_us
+        row.update({"us": round(us, 1), "us_per_gemv": round(us / ROUNDS, 2), "limit_us": round(limit_us, 1),
+                    "fraction_of_limit": round(limit_us / us, 3)})
+        rows.append(row)
+        print(f"{label} {name}: {us:.1f} us ({us / ROUNDS:.2f} per GEMV), limit {limit_us:.1f} us "
+              f"({limit_us / us:.3f}), error {error:.2g}", flush=True)
+    us = time_graph(barriers_only).median_us
+    rows.append({"hidden": label, "impl": f"{ROUNDS} grid barriers alone, {sms} programs", "us": round(us, 1),
+                 "us_per_barrier": round(us / ROUNDS, 2)})
+    print(f"{label} barriers alone: {us:.1f} us ({us / ROUNDS:.2f} per barrier)", flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out")
     args = parser.parse_args()
     if not runtime.on_gpu():
         sys.exit("persistent_gemv_chain.py spins on grid barriers: it needs a GPU")
-    dtype = torch.bfloat16
     warm_up_gpu()
     bandwidth = measure_ceilings().bandwidth_gbs * 1e9
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for label, k in HIDDEN.items():
-        w = torch.randn(ROUNDS, k, k, device="cuda", dtype=dtype) / k ** 0.5
-        x = torch.randn(k, device="cuda", dtype=dtype)
-        limit_us = w.numel() * w.element_size() / bandwidth * 1e6
-
-        def per_gemv():
-            vectors = [x[None, :]]
-            for r in range(ROUNDS):
-                vectors.append(ops.decode_gemv(vectors[-1], w[r]))
-            return torch.cat(vectors)
-
-        y = torch.empty(ROUNDS + 1, k, device="cuda", dtype=dtype)
-        y[0] = x
-        counter = torch.zeros(1, device="cuda", dtype=torch.int32)
-
-        def persistent(block_n, warps, per_sm=1, work=True):
-            grid = (sms * per_sm,)
-            meta = dict(BLOCK_N=block_n, BLOCK_K=triton.next_power_of_2(k), WORK=work, num_warps=warps)
-
-            def run():
-                counter.zero_()
-                _persistent_chain_kernel[grid](w, y, counter, ROUNDS, k, **meta)
-                return y
-            if per_sm > 1:  # every program must be resident at once, or the barrier waits forever
-                compiled = _persistent_chain_kernel.warmup(w, y, counter, ROUNDS, k, grid=grid, **meta)
-                compiled._init_handles()  # loads the binary: n_regs is known from then on
-                resident = resident_per_sm(compiled.n_regs, compiled.metadata.shared, warps)
-                if resident < per_sm:
-                    raise RuntimeError(f"{per_sm} programs per SM asked, {resident} fit ({compiled.n_regs} "
-                                       f"registers a thread, {compiled.metadata.shared} B of shared memory): not run")
-            return run
-
-        variants = {"ops.decode_gemv per GEMV (CUDA graph)": per_gemv}
-        for block_n, warps in ((4, 4), (8, 8), (2, 4)):
-            variants[f"persistent, BLOCK_N={block_n}, {warps} warps"] = lambda b=block_n, n=warps: persistent(b, n)
-        # Programs enough that each owns one tile a round, the next round's tile loaded before the barrier: the
-        # whole matrix in flight while the barrier waits (Llama's 8 MB fits the H200's 33 MB of registers).
-        for block_n, warps, per_sm in ((8, 8, 2), (8, 4, 2), (4, 4, 2), (4, 4, 4)):
-            variants[f"persistent, BLOCK_N={block_n}, {warps} warps, {per_sm} programs per SM"] = \
-                lambda b=block_n, n=warps, m=per_sm: persistent(b, n, m)
-        barriers_only = persistent(4, 4, work=False)
-        for name, make in variants.items():
-            with torch.inference_mode():
-                try:
-                    run = make() if name.startswith("persistent") else make
-                    vectors = run()
-                    torch.cuda.synchronize()
-                except Exception as error:  # a compile error, or too few resident: recorded, the others still timed
-                    rows.append({"hidden": label, "impl": name, "error": f"{type(error).__name__}: {error}"[:2000]})
-                    print(f"{label} {name}: {type(error).__name__}: {str(error)[:300]}", flush=True)
-                    continue
-                error = worst_round_error(w, vectors)
-                row = {"hidden": label, "impl": name, "rounds": ROUNDS, "worst_round_error": round(error, 5)}
-                if not error <= 2 ** -7:
-                    row["wrong"] = True
-                    print(f"{label} {name}: WRONG, relative error {error:.3g}", flush=True)
-                    rows.append(row)
-                    continue
-                us = time_graph(run).median_us
-            row.update({"us": round(us, 1), "us_per_gemv": round(us / ROUNDS, 2), "limit_us": round(limit_us, 1),
-                        "fraction_of_limit": round(limit_us / us, 3)})
-            rows.append(row)
-            print(f"{label} {name}: {us:.1f} us ({us / ROUNDS:.2f} per GEMV), limit {limit_us:.1f} us "
-                  f"({limit_us / us:.3f}), error {error:.2g}", flush=True)
-        us = time_graph(barriers_only).median_us
-        rows.append({"hidden": label, "impl": f"{ROUNDS} grid barriers alone, {sms} programs", "us": round(us, 1),
-                     "us_per_barrier": round(us / ROUNDS, 2)})
-        print(f"{label} barriers alone: {us:.1f} us ({us / ROUNDS:.2f} per barrier)", flush=True)
-        del w
+        rows += run_hidden(label, k, sms, bandwidth)
         torch.cuda.empty_cache()
     if args.out:
         Path(args.out).write_text(json.dumps({
