@@ -109,11 +109,11 @@ def resident_per_sm(registers: int, shared: int, warps: int) -> int:
 
 
 def worst_round_error(w: torch.Tensor, vectors: torch.Tensor) -> float:
-    """The largest relative error (2-norm) of any round's output against float32 products of that round's own input:
-    a correct kernel differs only by its order of summation, which moves some bf16 roundings by one unit (at most 2^-7
+    """The largest relative error (2-norm) of any round's output against float64 products of that round's own input,
+    rounded to the vectors' dtype: a correct kernel's float32 sum moves some bf16 roundings by one unit (at most 2^-7
     of the element: a relative norm error at most 2^-7 even if every element moved); a round that read another round's
     vector, or a half-written one, is off by O(1)."""
-    truth = torch.einsum("rnk,rk->rn", w.float(), vectors[:-1].float()).to(vectors.dtype).float()
+    truth = torch.einsum("rnk,rk->rn", w.double(), vectors[:-1].double()).to(vectors.dtype).float()
     return ((vectors[1:].float() - truth).norm(dim=1) / truth.norm(dim=1)).max().item()
 
 
