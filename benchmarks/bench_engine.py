@@ -94,6 +94,21 @@ def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, family: str 
     return folder
 
 
+def each_checkpoint(shapes: dict, dtype: torch.dtype, prefix: str):
+    """Yields (name, path) for each of ``shapes`` ({name: (shape, family)}): a :func:`build_checkpoint` in a scratch
+    folder, deleted (and the GPU's cached memory freed) before the next is written: an experiment's one engine per
+    shape."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=runtime.scratch_dir()))
+    try:
+        for name, (shape, family) in shapes.items():
+            yield name, build_checkpoint(folder / name, shape, dtype, family)
+            if runtime.on_gpu():
+                torch.cuda.empty_cache()
+            shutil.rmtree(folder / name, ignore_errors=True)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def hf_model(path: Path, dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 

@@ -34,9 +34,7 @@ import argparse
 import importlib
 import json
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -53,6 +51,20 @@ import triton.language as tl  # noqa: E402
 paged = importlib.import_module("lessonlib.ops.paged_attention")  # the module (lessonlib.ops exports the op)
 
 CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step
+
+
+@triton.jit
+def _step_rows(table_row_ptr, logical, last, seq_len, j, d, kv_head, stride_cache_block, stride_cache_token,
+               stride_cache_head, PAGE_SIZE: tl.constexpr):
+    """The lesson kernel's gather for one loop step from cache block ``logical`` on: each row j's K/V offsets (token j
+    lives in block table[logical + j // PAGE_SIZE]), which rows hold a token of the sequence inside the split (ends at
+    block ``last``), and each row's logical block."""
+    block_of_token = logical + j // PAGE_SIZE
+    in_split = block_of_token < last
+    physical = tl.load(table_row_ptr + block_of_token, mask=in_split, other=0).to(tl.int64)
+    offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
+        + kv_head * stride_cache_head + d[None, :]
+    return offsets, in_split & ((logical * PAGE_SIZE + j) < seq_len), block_of_token
 
 
 @triton.jit
@@ -85,12 +97,9 @@ def _split_prefetch_kernel(
     first = split * blocks_per_split
     last = tl.minimum(first + blocks_per_split, tl.cdiv(seq_len, PAGE_SIZE))
     j = tl.arange(0, PAGES_PER_STEP * PAGE_SIZE)
-    block_of_token = first + j // PAGE_SIZE
-    in_split = block_of_token < last
-    physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
-    offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
-        + kv_head * stride_cache_head + d[None, :]
-    valid = in_split & ((first * PAGE_SIZE + j) < seq_len)
+    offsets, valid, block_of_token = _step_rows(block_table_ptr + b * stride_table_b, first, last, seq_len, j, d,
+                                                kv_head, stride_cache_block, stride_cache_token, stride_cache_head,
+                                                PAGE_SIZE)
     older = valid & (block_of_token != newest)
     k = tl.load(k_cache_ptr + offsets, mask=older[:, None], other=0.0)
     v = tl.load(v_cache_ptr + offsets, mask=older[:, None], other=0.0)
@@ -109,12 +118,8 @@ def _split_prefetch_kernel(
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m, l, acc = paged._online_softmax_step(m, l, acc, scores, v, PRECISE_EXP, INPUT_PRECISION)
     for logical in range(first + PAGES_PER_STEP, last, PAGES_PER_STEP):  # the lesson kernel's loop, from step 2
-        block_of_token = logical + j // PAGE_SIZE
-        in_split = block_of_token < last
-        physical = tl.load(block_table_ptr + b * stride_table_b + block_of_token, mask=in_split, other=0).to(tl.int64)
-        offsets = (physical * stride_cache_block + (j % PAGE_SIZE) * stride_cache_token)[:, None] \
-            + kv_head * stride_cache_head + d[None, :]
-        valid = in_split & ((logical * PAGE_SIZE + j) < seq_len)
+        offsets, valid, _ = _step_rows(block_table_ptr + b * stride_table_b, logical, last, seq_len, j, d, kv_head,
+                                       stride_cache_block, stride_cache_token, stride_cache_head, PAGE_SIZE)
         k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
         v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
         scores = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION) * sm_scale
@@ -310,16 +315,8 @@ def main():
               {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")})
     context = 40 if args.smoke else CONTEXT
     rows = []
-    folder = Path(tempfile.mkdtemp(prefix="decode-attention-", dir=runtime.scratch_dir()))
-    try:
-        for name, (shape, family) in shapes.items():
-            path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
-            rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
-            if runtime.on_gpu():
-                torch.cuda.empty_cache()
-            shutil.rmtree(folder / name, ignore_errors=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    for name, path in bench_engine.each_checkpoint(shapes, dtype, "decode-attention-"):
+        rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": "python benchmarks/experiments/decode_attention_latency.py "

@@ -18,10 +18,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
@@ -161,15 +159,8 @@ def main():
     bandwidth = measure_ceilings().bandwidth_gbs * 1e9
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     rows = []
-    folder = Path(tempfile.mkdtemp(prefix="decode-step-profile-", dir=runtime.scratch_dir()))
-    try:
-        for name, (shape, family) in SHAPES.items():
-            path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
-            rows += profile_shape(name, path, dtype, bandwidth, flush)
-            torch.cuda.empty_cache()
-            shutil.rmtree(folder / name, ignore_errors=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    for name, path in bench_engine.each_checkpoint(SHAPES, dtype, "decode-step-profile-"):
+        rows += profile_shape(name, path, dtype, bandwidth, flush)
     if args.out:
         Path(args.out).write_text(json.dumps({
             "command": "python benchmarks/experiments/decode_step_profile.py", "environment": environment(),
