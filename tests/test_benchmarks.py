@@ -580,3 +580,33 @@ def test_decode_attention_experiment_smoke_checks_every_variant_in_the_step(tmp_
     rows = json.loads(out.read_text())["results"]
     assert len(rows) == 6 and all(r["agrees"] and r["step_logits_equal"] for r in rows), rows
     assert not any("gpu_us" in r for r in rows)
+
+
+def test_qkv_attention_equals_the_qkv_op_then_paged_attention(dtype):
+    """benchmarks/experiments/decode_qkv_attention.py's kernel (the qkv product, RoPE, the K/V write, then each KV
+    head's attention by the last of its programs) against ops.decode_qkv_rope_store_kv then ops.paged_attention with
+    one split: q, both pools after the write, and the attention output. An odd hidden size (a masked K tile), groups
+    of 2 and 3 query heads, a partial last cache block. Equal in the interpreter; within one unit of the dtype per
+    element on a GPU (the compiled sums may be ordered otherwise: the experiment measures whether they are)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import decode_qkv_attention as fused
+
+    for heads, kv_heads, context in ((4, 2, 37), (6, 2, 16), (3, 1, 5)):
+        worst = fused.op_check(heads, kv_heads, 16, 24, max_blocks=4, context=context, dtype=dtype,
+                               device=runtime.device())
+        assert worst <= (1 if runtime.on_gpu() else 0), (heads, kv_heads, context, worst)
+
+
+@pytest.mark.skipif(runtime.on_gpu(), reason="on a GPU the experiment's own run makes these checks; the smoke run is "
+                    "its plumbing, in the interpreter")
+def test_qkv_attention_experiment_smoke_runs_the_four_kernel_layer_in_the_step(tmp_path):
+    """decode_qkv_attention.py --smoke: a tiny engine's step with the four-kernel layer gives the one-split six-kernel
+    engine's logits bit for bit in the interpreter; nothing is timed."""
+    import json
+
+    out = tmp_path / "smoke.json"
+    run_script("experiments/decode_qkv_attention.py", "--smoke", "--out", str(out))
+    rows = json.loads(out.read_text())["results"]
+    four = [r for r in rows if r["layer"].startswith("four")]
+    assert len(rows) == 3 and len(four) == 1 and four[0]["agrees"] and four[0]["step_logits_equal"], rows
+    assert not any("gpu_us" in r for r in rows)
