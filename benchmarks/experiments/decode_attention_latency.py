@@ -216,8 +216,7 @@ def op_check(config, max_blocks: int, splits: int | None, reduce_last: bool, cou
                     counter=counter)
     if reduce_last and counter.any():
         return math.inf  # the last split did not set its counter back
-    spacing = torch.finfo(dtype).eps * want.float().abs().clamp_min(torch.finfo(dtype).tiny)
-    return ((got.float() - want.float()).abs() / spacing).max().item()
+    return units(got, want)
 
 
 def check_and_time(step, truth: dict, label: str, reduce_last: bool | None, worst: float, limit_us: float | None,
@@ -293,15 +292,18 @@ def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: i
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def step_experiment(script: str, description: str, run_shape) -> None:
+    """The command line of an experiment on the fused batch-1 step (this one and decode_qkv_attention.py):
+    ``run_shape(name, checkpoint path, dtype, context, rounds, bandwidth or None)`` gives each shape's rows, on
+    bench_engine.py's two shapes (``--smoke``: a tiny model in the interpreter, one round, nothing timed)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--smoke", action="store_true",
                         help="a tiny model, one round, every check, nothing timed: runs anywhere (the interpreter)")
     parser.add_argument("--out")
     args = parser.parse_args()
     if not (runtime.on_gpu() or args.smoke):
-        sys.exit("decode_attention_latency.py times CUDA graphs: it needs a GPU (or --smoke)")
+        sys.exit(f"{script} times CUDA graphs: it needs a GPU (or --smoke)")
     import bench_engine
     from lessonlib.measure import measure_ceilings, warm_up_gpu
     from lessonlib.results import environment
@@ -315,15 +317,22 @@ def main():
               {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")})
     context = 40 if args.smoke else CONTEXT
     rows = []
-    for name, path in bench_engine.each_checkpoint(shapes, dtype, "decode-attention-"):
+    for name, path in bench_engine.each_checkpoint(shapes, dtype, Path(script).stem + "-"):
         rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/decode_attention_latency.py "
-                       + ("--smoke" if args.smoke else f"--rounds {args.rounds}"),
+            "command": f"python benchmarks/experiments/{script} " + ("--smoke" if args.smoke else f"--rounds {args.rounds}"),
             "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if bandwidth else None,
             "context": context, "results": rows}, indent=1))
 
 
+def units(got: torch.Tensor, want: torch.Tensor) -> float:
+    """The largest difference between two tensors of one dtype, in units of that dtype at each of ``want``'s elements
+    (its spacing there, roughly: eps x |value|)."""
+    finfo = torch.finfo(want.dtype)
+    spacing = finfo.eps * want.float().abs().clamp_min(finfo.tiny)
+    return ((got.float() - want.float()).abs() / spacing).max().item()
+
+
 if __name__ == "__main__":
-    main()
+    step_experiment("decode_attention_latency.py", __doc__.split("\n\n")[0], run_shape)

@@ -25,9 +25,7 @@ shared: the library kernel stays as it is until a measurement says this wins.
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
@@ -42,9 +40,10 @@ from lessonlib.ops._common import cdiv, gdc_launch_dependents, gdc_wait, launch,
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from decode_attention_latency import step_experiment, units  # noqa: E402
+
 dg = importlib.import_module("lessonlib.ops.decode_gemv")  # the modules (lessonlib.ops exports the ops)
 paged = importlib.import_module("lessonlib.ops.paged_attention")
-CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step
 
 
 @triton.jit
@@ -211,10 +210,6 @@ def op_check(heads: int, kv_heads: int, head_dim: int, hidden: int, max_blocks: 
                                **shapes, counter=counter)
     if counter.any():
         return float("inf")  # a counter not set back
-
-    def units(a, b):
-        spacing = torch.finfo(dtype).eps * b.float().abs().clamp_min(torch.finfo(dtype).tiny)
-        return ((a.float() - b.float()).abs() / spacing).max().item()
     return max(units(q_got, q_want), units(caches[2], caches[0]), units(caches[3], caches[1]), units(got, want))
 
 
@@ -278,36 +273,5 @@ def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: i
     return rows
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--smoke", action="store_true",
-                        help="a tiny model, one round, every check, nothing timed: runs anywhere (the interpreter)")
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if not (runtime.on_gpu() or args.smoke):
-        sys.exit("decode_qkv_attention.py times CUDA graphs: it needs a GPU (or --smoke)")
-    import bench_engine
-    from lessonlib.measure import measure_ceilings, warm_up_gpu
-    from lessonlib.results import environment
-
-    dtype, bandwidth = runtime.dtype(), None
-    if not args.smoke:
-        warm_up_gpu()
-        bandwidth = measure_ceilings().bandwidth_gbs * 1e9
-    shapes = ({"tiny": (bench_engine.TINY, "Llama")} if args.smoke else
-              {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")})
-    context = 40 if args.smoke else CONTEXT
-    rows = []
-    for name, path in bench_engine.each_checkpoint(shapes, dtype, "decode-qkv-attention-"):
-        rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/decode_qkv_attention.py "
-                       + ("--smoke" if args.smoke else f"--rounds {args.rounds}"),
-            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if bandwidth else None,
-            "context": context, "results": rows}, indent=1))
-
-
 if __name__ == "__main__":
-    main()
+    step_experiment("decode_qkv_attention.py", __doc__.split("\n\n")[0], run_shape)
