@@ -242,19 +242,28 @@ def check_and_time(step, truth: dict, label: str, reduce_last: bool | None, wors
     return row
 
 
-def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: int, bandwidth: float | None) -> list:
-    """Every variant on one engine (``Features(fused_decode_layer=True)``), ``rounds`` times, interleaved."""
+def fused_engine(path: Path, dtype: torch.dtype, context: int, bandwidth: float | None):
+    """(engine, its ModelConfig, the step's bytes-read limit in µs or None): an engine with
+    ``Features(fused_decode_layer=True)`` and bench_engine.py's table width (its prompt 128 + 128 new tokens + 16),
+    and the limit as bench_engine.py computes it (weights plus the context's K/V at ``bandwidth``)."""
     from lessonlib.engine import LLM, Features, ModelConfig
-    from lessonlib.engine.model import EngineLayer
-
-    import bench_engine
 
     config = ModelConfig.from_folder(path)
     element = torch.empty((), dtype=dtype).element_size()
     limit_us = (config.weight_bytes(element) + 2 * context * config.num_layers * config.num_kv_heads
                 * config.head_dim * element) / bandwidth * 1e6 if bandwidth else None
     llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=context + 128 // 2 + 16,
-              features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
+              features=Features(fused_decode_layer=True))
+    return llm, config, limit_us
+
+
+def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: int, bandwidth: float | None) -> list:
+    """Every variant on one engine (``Features(fused_decode_layer=True)``), ``rounds`` times, interleaved."""
+    from lessonlib.engine.model import EngineLayer
+
+    import bench_engine
+
+    llm, config, limit_us = fused_engine(path, dtype, context, bandwidth)
     model, k_caches, v_caches, max_blocks = llm.model, llm.runner.k_caches, llm.runner.v_caches, llm.runner.max_blocks
     counter = torch.zeros(1, config.num_kv_heads, dtype=torch.int32, device=llm.runner.device)
     own = paged.num_splits_for(1, config.num_kv_heads, max_blocks)

@@ -40,7 +40,7 @@ from lessonlib.ops._common import cdiv, gdc_launch_dependents, gdc_wait, launch,
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from decode_attention_latency import step_experiment, units  # noqa: E402
+from decode_attention_latency import fused_engine, step_experiment, units  # noqa: E402
 
 dg = importlib.import_module("lessonlib.ops.decode_gemv")  # the modules (lessonlib.ops exports the ops)
 paged = importlib.import_module("lessonlib.ops.paged_attention")
@@ -217,16 +217,10 @@ def run_shape(name: str, path: Path, dtype: torch.dtype, context: int, rounds: i
     """The fused engine at paged_attention's own split count, at one split, and with :func:`qkv_attention`, on one
     engine, ``rounds`` times interleaved: checked, then timed where ``bandwidth`` is given (a GPU)."""
     import bench_engine
-    from lessonlib.engine import LLM, Features, ModelConfig
     from lessonlib.engine.model import EngineLayer
     from lessonlib.measure import time_graph
 
-    config = ModelConfig.from_folder(path)
-    element = torch.empty((), dtype=dtype).element_size()
-    limit_us = (config.weight_bytes(element) + 2 * context * config.num_layers * config.num_kv_heads
-                * config.head_dim * element) / bandwidth * 1e6 if bandwidth else None
-    llm = LLM(path, dtype=dtype, max_num_seqs=1, max_model_len=context + 128 // 2 + 16,
-              features=Features(fused_decode_layer=True))  # bench_engine's table width: 128 + 128 + 16
+    llm, config, limit_us = fused_engine(path, dtype, context, bandwidth)
     model, k_caches, v_caches, max_blocks = llm.model, llm.runner.k_caches, llm.runner.v_caches, llm.runner.max_blocks
     counter = torch.zeros(config.num_kv_heads, dtype=torch.int32, device=llm.runner.device)
     worst = op_check(config.num_heads, config.num_kv_heads, config.head_dim, config.hidden_size, max_blocks, context,
