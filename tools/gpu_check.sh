@@ -11,15 +11,20 @@
 # slowest tests), nbval-PROFILE-NOTEBOOK.log, peak-PROFILE-NOTEBOOK.jsonl. Exit status 1 if anything failed.
 #
 # The lab's GPU machine has torch, triton, pytest, matplotlib, transformers and hypothesis but no jupyter, nbval,
-# nbclient, ipykernel or ipywidgets, and no network (/work/shared/GPU-NOTES.md). `wheels` downloads those for its
-# Python (cp312, manylinux x86_64) into the ignored folder .whl/ (about 20 MB with their dependencies: carry it,
-# the carried tree must stay under 64 MiB); `install` installs there, with --no-index, only the wheels whose
+# nbclient, ipykernel, ipywidgets or pytest-xdist, and no network (/work/shared/GPU-NOTES.md). `wheels` downloads
+# those for its Python (cp312, manylinux x86_64) into the ignored folder .whl/ (about 20 MB with their dependencies:
+# carry it, the carried tree must stay under 64 MiB); `install` installs there, with --no-index, only the wheels whose
 # distribution is missing, into .gpu-site/ (a --target folder put first on PYTHONPATH by tests and notebooks: the
 # system Python is externally managed, and nothing it has is shadowed). nbgrader is not shipped (SQLAlchemy,
 # alembic, jupyter_server: too big for what it tests); its tests skip there, saying so. vLLM cannot travel (GBs):
 # lesson 06 and tests/test_serving.py skip without it.
 #
-# tests: the whole `pytest tests`, tests/ops/test_compile_targets.py included (it compiles for every architecture
+# tests: the whole `pytest tests`, tests/ops/test_compile_targets.py included. One process per profile takes longer
+# than one device call (10 minutes); with pytest-xdist (carried) both profiles fit in one call, side by side:
+#   LOG_DIR=$OUT bash tools/gpu_check.sh tests native -- tests -n 5 --dist loadfile &
+#   LOG_DIR=$OUT bash tools/gpu_check.sh tests t4 -- tests -n 4 --dist loadfile
+# (on the H200, 2026-12-04: 479 s and 437 s; benchmarks/NOTES.md, session 22).
+# The whole `pytest tests`: tests/ops/test_compile_targets.py included (it compiles for every architecture
 # through a stand-in driver, needs no GPU, and there it checks the machine's own Triton, 3.6 on the lab's H200).
 # The browser tests skip there (no Chromium, JupyterLab or Playwright), each with its reason.
 #
@@ -38,7 +43,7 @@ log_dir=${LOG_DIR:-scratch/gpu-check}
 wheels=.whl
 site=.gpu-site
 # What the GPU machine lacks for tests and notebooks (requirements-dev.txt's pins), for its Python.
-missing=("nbval>=0.11" "nbformat>=5.9" "nbclient>=0.10" "ipykernel>=6.29" "ipywidgets>=8.1")
+missing=("nbval>=0.11" "nbformat>=5.9" "nbclient>=0.10" "ipykernel>=6.29" "ipywidgets>=8.1" "pytest-xdist>=3.5")
 # What it lacks for the serving benchmark, pinned where requirements-dev.txt pins them.
 serve_pins() { grep -E '^(fastapi|uvicorn|openai)==' requirements-dev.txt; echo "pydantic>=2"; echo rich; }
 serve_no_deps=("$(grep -E '^accelerate==' requirements-dev.txt)" psutil)
@@ -87,7 +92,7 @@ EOF
         # shellcheck disable=SC2086
         "$python" -m pip install -q --no-index --no-deps --target "$site" $wanted || return 1
     fi
-    local modules="nbval, nbclient, ipykernel, ipywidgets"
+    local modules="nbval, nbclient, ipykernel, ipywidgets, xdist"
     [ "${1:-}" = serve ] && modules="fastapi, uvicorn, pydantic, starlette, openai, accelerate, prometheus_client, httpx"
     PYTHONPATH="$PWD/$site" "$python" -c "import $modules; print('gpu_check: $modules importable')"
 }
