@@ -12,6 +12,7 @@ import itertools
 import json
 import math
 import re
+import statistics
 
 from lessonlib import kv_memory, reference, results, traffic
 from lessonlib.results import Impl, Op
@@ -369,6 +370,43 @@ def saturation_ratios() -> tuple[float, ...]:
     return tuple(r.notes["targets"]["saturation_chunked_over_prefill_first"] for r in (run("serving-h200"), earlier))
 
 
+ENGINE_RUNS = ("engine-h200", "engine-qwen-h200")  # bench_engine.py's Llama-3.2-1B and Qwen2.5-0.5B shapes
+
+
+def fused_decode_step(name: str) -> dict:
+    """The recorded batch-1 decode step with Features.fused_decode_layer on (bench_engine.py's record)."""
+    return next(r for r in run(name).select(op=Op.BATCH_1_DECODE_STEP) if r["fused_decode_layer"])
+
+
+def fused_kernels_per_layer() -> int:
+    """Kernels per layer of the recorded fused steps, one count for both models (-1 where they differ)."""
+    counts = {fused_decode_step(name)["kernels_per_layer"] for name in ENGINE_RUNS}
+    return counts.pop() if len(counts) == 1 else -1
+
+
+def experiment(name: str) -> list[dict]:
+    """A batch-1 experiment's rows (benchmarks/experiments/results/NAME.json)."""
+    return json.loads((ROOT / f"benchmarks/experiments/results/{name}.json").read_text())["results"]
+
+
+def four_kernel_layer_slower() -> bool:
+    """Attention in the qkv kernel (four kernels a layer) against six kernels at paged_attention's own split count:
+    the median of the interleaved rounds, on each shape."""
+    rows = experiment("decode-qkv-attention-h200")
+    median = lambda shape, layer: statistics.median(  # noqa: E731
+        r["gpu_us"] for r in rows if r["shape"] == shape and r["layer"].startswith(layer))
+    return all(median(shape, "four kernels") > median(shape, "six kernels, paged_attention's")
+               for shape in {r["shape"] for r in rows})
+
+
+def persistent_chain_slower() -> bool:
+    """Every persistent variant that ran against a decode_gemv kernel per product, µs per product, at each width."""
+    rows = [r for r in experiment("persistent-gemv-chain-h200") if "us_per_gemv" in r]
+    return all(min(r["us_per_gemv"] for r in rows if r["hidden"] == width and r["impl"].startswith("persistent"))
+               > next(r["us_per_gemv"] for r in rows if r["hidden"] == width and r["impl"].startswith("ops."))
+               for width in {r["hidden"] for r in rows})
+
+
 LESSONS_05_06_07 = (
     Holds("05_cuda_graphs", "d7761079", "the GPU finishes it in a few microseconds",
           lambda: mlp(Impl.SHARE_SWIGLU, 1) < 10, "lesson 01's swiglu kernel at T=1, under 10 µs"),
@@ -426,6 +464,18 @@ LESSONS_05_06_07 = (
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",
           "the live ladder's stored output: the plain rung's seconds the least"),
+    Measured("07_serving_engine", "fewer-kernels", "Neither model reaches its bytes-read limit with six kernels a "
+             "layer", "six kernels", fused_kernels_per_layer),
+    Holds("07_serving_engine", "fewer-kernels", "Neither model reaches its bytes-read limit",
+          lambda: all(fused_decode_step(name)["fraction_of_limit"] < 1 for name in ENGINE_RUNS),
+          "the recorded fused steps' fraction of their bytes-read limit, both models"),
+    Holds("07_serving_engine", "fewer-kernels", "four kernels a layer. It is slower than six on both models",
+          four_kernel_layer_slower, "benchmarks/experiments/results/decode-qkv-attention-h200.json, medians of the "
+          "rounds, each shape"),
+    Holds("07_serving_engine", "fewer-kernels", "slower per product than a kernel each", persistent_chain_slower,
+          "benchmarks/experiments/results/persistent-gemv-chain-h200.json: the best persistent variant, each width"),
+    Given("07_serving_engine", "fewer-kernels", "reported 78% of an H100's bandwidth (2025)",
+          "Hazy Research's post on their Llama-1B megakernel (May 2025), quoted"),
 )
 
 FIGURES = LESSON_01 + LESSON_02 + LESSONS_00_03_04 + LESSONS_05_06_07

@@ -1,9 +1,10 @@
 """The engine's speed-ups, one switch each (lesson 07's tokens/s ladder:
 :func:`lessonlib.cases.serving_engine.ladder`). Everything on is the engine's default (but chunked_prefill, a
-scheduling choice lesson 07 compares, not a rung, and fused_decode_layer, off until measured on the H200: it acts at
-batch 1 only, which the ladder's 32-seat workload hardly reaches; bench_engine.py measures it); a switch turned off
-runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in float32 (in 16 bits each
-sums in its own order, so they agree up to near-ties).
+scheduling choice lesson 07 compares, not a rung, and fused_decode_layer: it acts at batch 1 only, which the
+ladder's 32-seat workload hardly reaches; bench_engine.py measures it, faster on the H200, and it stays off until
+the engine's recorded runs and the GPU suite are redone with it on, so that what lesson 07 prints is the default's);
+a switch turned off runs that part the plain-PyTorch way, so every combination gives the same greedy tokens in
+float32 (in 16 bits each sums in its own order, so they agree up to near-ties).
 
     fused_ops            lessonlib's add_rms_norm, rope_store_kv, swiglu (and argmax on a GPU); off: the references
                          in lessonlib.reference (RoPE and the K/V write by tensor indexing, silu(gate) * up)
@@ -49,7 +50,7 @@ class Features:
     gemv: bool = True
     async_scheduling: bool = True
     chunked_prefill: bool = False
-    fused_decode_layer: bool = False  # off until benchmarks/bench_engine.py on the H200 shows the gain
+    fused_decode_layer: bool = False  # see the module's docstring
 
     def __post_init__(self):
         for f in fields(self):
