@@ -389,14 +389,32 @@ def experiment(name: str) -> list[dict]:
     return json.loads((ROOT / f"benchmarks/experiments/results/{name}.json").read_text())["results"]
 
 
-def four_kernel_layer_slower() -> bool:
-    """Attention in the qkv kernel (four kernels a layer) against six kernels at paged_attention's own split count:
-    the median of the interleaved rounds, on each shape."""
+def qkv_attention_medians() -> dict[str, dict[str, float]]:
+    """{shape: {layer: µs}}: each layer form's median over the interleaved rounds of decode_qkv_attention.py's run:
+    "four" (attention in the qkv kernel, one split), "six" (paged_attention's own split count), "six, one split"."""
     rows = experiment("decode-qkv-attention-h200")
-    median = lambda shape, layer: statistics.median(  # noqa: E731
-        r["gpu_us"] for r in rows if r["shape"] == shape and r["layer"].startswith(layer))
-    return all(median(shape, "four kernels") > median(shape, "six kernels, paged_attention's")
-               for shape in {r["shape"] for r in rows})
+    forms = {"four": "four kernels", "six": "six kernels, paged_attention's",
+             "six, one split": "six kernels, one split"}
+    return {shape: {form: statistics.median(r["gpu_us"] for r in rows if r["shape"] == shape
+                                            and r["layer"].startswith(prefix)) for form, prefix in forms.items()}
+            for shape in {r["shape"] for r in rows}}
+
+
+def four_kernel_layer_slower() -> bool:
+    return all(m["four"] > m["six"] for m in qkv_attention_medians().values())
+
+
+def serial_walk_costs_more_than_the_boundaries() -> bool:
+    """The two boundaries save time (four kernels beat six at the same single split), and one split instead of
+    paged_attention's (the walk the four-kernel layer does) costs more than they save."""
+    return all(0 < m["six, one split"] - m["four"] < m["six, one split"] - m["six"]
+               for m in qkv_attention_medians().values())
+
+
+def barrier_us() -> float:
+    """The grid barrier alone, µs per barrier, the mean over both widths of persistent_gemv_chain.py's run."""
+    rows = [r for r in experiment("persistent-gemv-chain-h200") if "barriers alone" in r["impl"]]
+    return statistics.mean(r["us_per_barrier"] for r in rows)
 
 
 def persistent_chain_slower() -> bool:
@@ -472,8 +490,14 @@ LESSONS_05_06_07 = (
     Holds("07_serving_engine", "fewer-kernels", "four kernels a layer. It is slower than six on both models",
           four_kernel_layer_slower, "benchmarks/experiments/results/decode-qkv-attention-h200.json, medians of the "
           "rounds, each shape"),
+    Holds("07_serving_engine", "fewer-kernels", "one program then walks the whole context alone, which costs more "
+          "than the two kernel boundaries it saves", serial_walk_costs_more_than_the_boundaries,
+          "the same file: one split against paged_attention's costs more than four kernels save over six at one "
+          "split, each shape"),
     Holds("07_serving_engine", "fewer-kernels", "slower per product than a kernel each", persistent_chain_slower,
           "benchmarks/experiments/results/persistent-gemv-chain-h200.json: the best persistent variant, each width"),
+    Measured("07_serving_engine", "fewer-kernels", "the barrier alone takes about 1 µs", "about 1", barrier_us,
+             within=0.5, why="about: one significant digit"),
     Given("07_serving_engine", "fewer-kernels", "reported 78% of an H100's bandwidth (2025)",
           "Hazy Research's post on their Llama-1B megakernel (May 2025), quoted"),
 )
