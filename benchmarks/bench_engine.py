@@ -260,7 +260,7 @@ def layer_kernels(llm: LLM, context: int) -> list[str]:
     with decode_inputs(llm, 1, context) as (ctx, ids, positions), torch.inference_mode():
         x = model.embed_tokens(ids)
         cos, sin = model.cos[positions], model.sin[positions]
-        if model.features.fused_decode_layer:
+        if model.features.fuses_decode_layer:
             call = lambda: layer.fused_decode(x, cos, sin, ctx, k, v)  # noqa: E731 (x: the stream, in place)
         else:
             residual = torch.zeros_like(x)
@@ -297,7 +297,7 @@ def batch_1_decode_step(run, engines, config, weight_bytes, bandwidth, context):
                 kernels=kernels, gpu_us=None if gpu_us is None else round(gpu_us, 2),
                 limit_us=None if limit_us is None else round(limit_us, 2), bytes=step_bytes,
                 fraction_of_limit=None if gpu_us is None else round(limit_us / gpu_us, 3),
-                fused_decode_layer=llm.model.features.fused_decode_layer)
+                fused_decode_layer=llm.model.features.fuses_decode_layer)
 
 
 def main():

@@ -83,3 +83,15 @@ def test_the_fused_decode_step_takes_three_kernels_fewer_per_layer(checkpoints):
     assert fused_per_layer // layers <= 6
     assert today_per_layer // layers - fused_per_layer // layers == 3, (fused, today)  # 2 add_rms_norm, rope_store_kv
     assert fused.count("triton::_decode_gemv_kernel") == 4 * layers
+
+
+@pytest.mark.parametrize("off", ["fused_ops", "gemv"])
+def test_the_switch_leaves_the_step_alone_where_the_kernels_it_fuses_are_off(checkpoints, off, monkeypatch):
+    """fused_decode_layer fuses the kernels of fused_ops and gemv: with either off, the step keeps that switch's
+    plain way (Features' rule), and the tokens stay right."""
+    features = Features(fused_decode_layer=True, **{off: False})
+    assert not features.fuses_decode_layer and FUSED.fuses_decode_layer
+    calls = count_calls(monkeypatch, "decode_qkv_rope_store_kv")
+    path = checkpoints["llama3"]
+    serving.check_engine_greedy(engine(path, features), path, [[random.randrange(1, 512) for _ in range(7)]], 2)
+    assert calls == []

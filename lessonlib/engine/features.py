@@ -20,8 +20,10 @@ float32 (in 16 bits each sums in its own order, so they agree up to near-ties).
     fused_decode_layer   a batch-1 decode step in six kernels per layer (ops.decode_gemv): qkv with the RMSNorm in its
                          prologue and RoPE + the K/V write in its epilogue, paged attention (split + reduce), o and
                          down adding into the residual stream in place, gate_up with the RMSNorm prologue and SwiGLU;
-                         off: nine (add_rms_norm, rope_store_kv and the norm before gate_up on their own). Not for
-                         Qwen3 (q/k norm between the product and RoPE): it keeps the unfused path
+                         off: nine (add_rms_norm, rope_store_kv and the norm before gate_up on their own). It fuses
+                         the kernels of fused_ops and gemv, so it acts only where both are on too (a switch turned
+                         off keeps its plain way). Not for Qwen3 (q/k norm between the product and RoPE): it keeps
+                         the unfused path
     cuda_graphs          decode steps, and the prefill of a lone prompt, replayed from CUDA graphs (a GPU only); off:
                          eager
     continuous_batching  admission at every step boundary; off: static batching, a batch runs to completion before
@@ -51,6 +53,11 @@ class Features:
     async_scheduling: bool = True
     chunked_prefill: bool = False
     fused_decode_layer: bool = False  # see the module's docstring
+
+    @property
+    def fuses_decode_layer(self) -> bool:
+        """Whether a batch-1 decode step runs fused: fused_decode_layer, with the fused ops and gemv it builds on."""
+        return self.fused_decode_layer and self.fused_ops and self.gemv
 
     def __post_init__(self):
         for f in fields(self):

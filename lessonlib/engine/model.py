@@ -229,7 +229,7 @@ class Model(nn.Module):
         normed hidden states, (T, hidden)."""
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.cos[positions], self.sin[positions]
-        if self.features.fused_decode_layer and not ctx.is_prefill and hidden.shape[0] == 1 and not self.config.qk_norm:
+        if self.features.fuses_decode_layer and not ctx.is_prefill and hidden.shape[0] == 1 and not self.config.qk_norm:
             for i, layer in enumerate(self.layers):  # hidden is the residual stream, updated in place
                 layer.fused_decode(hidden, cos, sin, ctx, k_caches[i], v_caches[i])
             return ops.add_rms_norm(hidden, torch.zeros_like(hidden), self.norm, self.config.rms_norm_eps)[0]
