@@ -505,6 +505,33 @@ def test_the_persistent_chain_kernel_computes_each_round_from_the_last():
         assert chain.worst_round_error(w, stale) > 0.1
 
 
+def test_the_streaming_gemv_kernel_walks_its_tiles(dtype):
+    """benchmarks/experiments/decode_gemv_streaming.py's kernel: fewer programs than tiles (each walking its tiles),
+    one tile a program, partial last row tiles and K slices, with and without the next step's weights loaded first
+    and the eviction hint; outputs poisoned (NaN), the element past the end left alone. Against float64 products,
+    each element within the float32 sum's error bound (K float32 units of sum |w x|) plus one unit of the dtype (the
+    output's rounding); and the experiment's own check (relative_error) names a wrong output."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
+    import decode_gemv_streaming as streaming
+
+    device = runtime.device()
+    for n, k, programs, block_n, block_k in ((37, 70, 3, 8, 32), (64, 64, None, 16, 64), (9, 100, None, 4, 32),
+                                             (5, 33, 7, 4, 16)):
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        x = torch.randn(k, device=device, dtype=dtype)
+        out = torch.empty(n + 1, device=device, dtype=dtype)
+        for eviction in ("", "evict_first"):
+            for prefetch in (True, False):
+                out.fill_(float("nan"))
+                streaming.streaming_gemv(x, w, out[:n], programs, block_n, block_k, 4, eviction, prefetch)
+                assert torch.isnan(out[n]), "wrote past the end"
+                truth = w.double() @ x.double()
+                bound = k * torch.finfo(torch.float32).eps * (w.double().abs() @ x.double().abs()) \
+                    + torch.finfo(dtype).eps * truth.abs()
+                assert ((out[:n].double() - truth).abs() <= bound).all(), (n, k, programs, eviction, prefetch)
+        assert streaming.relative_error(out[:n].roll(1), w, x) > 0.1
+
+
 def test_the_step_profile_finds_the_layers_kernels():
     """decode_step_profile.summarize on a made-up replay: 2 kernels before the layers, 3 layers of 3 kernels (the
     second overlapping the first, as under PDL), 1 after; each role's advance is how far the step's end moved."""
