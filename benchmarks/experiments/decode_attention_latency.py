@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import math
 import sys
 from pathlib import Path
@@ -41,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+
+import gpu_experiment  # noqa: E402
 
 from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
 from lessonlib.ops._common import launch, next_power_of_2, pdl_options, pdl_wait_then_trigger  # noqa: E402
@@ -315,7 +316,6 @@ def step_experiment(script: str, description: str, run_shape) -> None:
         sys.exit(f"{script} times CUDA graphs: it needs a GPU (or --smoke)")
     import bench_engine
     from lessonlib.measure import measure_ceilings, warm_up_gpu
-    from lessonlib.results import environment
 
     dtype = runtime.dtype()
     bandwidth = None
@@ -328,11 +328,8 @@ def step_experiment(script: str, description: str, run_shape) -> None:
     rows = []
     for name, path in bench_engine.each_checkpoint(shapes, dtype, Path(script).stem + "-"):
         rows += run_shape(name, path, dtype, context, 1 if args.smoke else args.rounds, bandwidth)
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": f"python benchmarks/experiments/{script} " + ("--smoke" if args.smoke else f"--rounds {args.rounds}"),
-            "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1) if bandwidth else None,
-            "context": context, "results": rows}, indent=1))
+    command = f"python benchmarks/experiments/{script} " + ("--smoke" if args.smoke else f"--rounds {args.rounds}")
+    gpu_experiment.write_results(args.out, command, bandwidth, rows, context=context)
 
 
 def units(got: torch.Tensor, want: torch.Tensor) -> float:

@@ -23,9 +23,7 @@ one is recorded, not timed). GPU only for the timing; tests/test_benchmarks.py r
 
 from __future__ import annotations
 
-import argparse
 import importlib
-import json
 import sys
 from pathlib import Path
 
@@ -33,10 +31,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
+import gpu_experiment  # noqa: E402
+
+from lessonlib import ops  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
+from lessonlib.measure import time_graph  # noqa: E402
 from lessonlib.ops._common import cdiv, gdc_launch_dependents, gdc_wait, pdl_options  # noqa: E402
-from lessonlib.results import environment  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -190,23 +189,15 @@ def timed(chain, copies: int, limit_us: float) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if not runtime.on_gpu():
-        sys.exit("decode_gemv_streaming.py times on a GPU (tests/test_benchmarks.py runs its kernel in the "
-                 "interpreter)")
-    warm_up_gpu()
-    bandwidth = measure_ceilings().bandwidth_gbs * 1e9
+    args, bandwidth = gpu_experiment.start(__doc__.split("\n\n")[0], "decode_gemv_streaming.py times on a GPU "
+                                           "(tests/test_benchmarks.py runs its kernel in the interpreter)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for label, (n, k, how) in SHAPES.items():
         rows += run_shape(label, n, k, how, sms, bandwidth)
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/decode_gemv_streaming.py", "environment": environment(),
-            "bandwidth_gbs": round(bandwidth / 1e9, 1), "multiprocessors": sms, "results": rows}, indent=1))
+    gpu_experiment.write_results(args.out, "python benchmarks/experiments/decode_gemv_streaming.py", bandwidth, rows,
+                                 multiprocessors=sms)
 
 
 if __name__ == "__main__":

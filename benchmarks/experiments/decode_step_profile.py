@@ -16,8 +16,6 @@ no reduce kernel's work spread, the split kernel reads the whole context per KV 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -28,10 +26,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import bench_engine  # noqa: E402
+import gpu_experiment  # noqa: E402
 from lessonlib import runtime  # noqa: E402
 from lessonlib.engine import LLM, Features, ModelConfig  # noqa: E402
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import environment  # noqa: E402
+from lessonlib.measure import time_graph  # noqa: E402
 
 CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step
 SHAPES = {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")}
@@ -149,22 +147,15 @@ def profile_shape(name: str, path: Path, dtype: torch.dtype, bandwidth: float, f
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if not runtime.on_gpu():
-        sys.exit("decode_step_profile.py profiles CUDA graphs: it needs a GPU")
+    args, bandwidth = gpu_experiment.start(__doc__.split("\n\n")[0],
+                                           "decode_step_profile.py profiles CUDA graphs: it needs a GPU")
     dtype = runtime.dtype()
-    warm_up_gpu()
-    bandwidth = measure_ceilings().bandwidth_gbs * 1e9
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     rows = []
     for name, path in bench_engine.each_checkpoint(SHAPES, dtype, "decode-step-profile-"):
         rows += profile_shape(name, path, dtype, bandwidth, flush)
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/decode_step_profile.py", "environment": environment(),
-            "bandwidth_gbs": round(bandwidth / 1e9, 1), "context": CONTEXT, "results": rows}, indent=1))
+    gpu_experiment.write_results(args.out, "python benchmarks/experiments/decode_step_profile.py", bandwidth, rows,
+                                 context=CONTEXT)
 
 
 if __name__ == "__main__":

@@ -31,8 +31,6 @@ were the first three and the barriers.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -40,9 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import torch  # noqa: E402
 
-from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import environment  # noqa: E402
+import gpu_experiment  # noqa: E402
+
+from lessonlib import ops  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
+from lessonlib.measure import time_graph  # noqa: E402
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
@@ -191,22 +190,15 @@ def run_hidden(label: str, k: int, sms: int, bandwidth: float) -> list[dict]:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out")
-    args = parser.parse_args()
-    if not runtime.on_gpu():
-        sys.exit("persistent_gemv_chain.py spins on grid barriers: it needs a GPU")
-    warm_up_gpu()
-    bandwidth = measure_ceilings().bandwidth_gbs * 1e9
+    args, bandwidth = gpu_experiment.start(__doc__.split("\n\n")[0],
+                                           "persistent_gemv_chain.py spins on grid barriers: it needs a GPU")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
     for label, k in HIDDEN.items():
         rows += run_hidden(label, k, sms, bandwidth)
         torch.cuda.empty_cache()
-    if args.out:
-        Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/persistent_gemv_chain.py", "environment": environment(),
-            "bandwidth_gbs": round(bandwidth / 1e9, 1), "multiprocessors": sms, "results": rows}, indent=1))
+    gpu_experiment.write_results(args.out, "python benchmarks/experiments/persistent_gemv_chain.py", bandwidth, rows,
+                                 multiprocessors=sms)
 
 
 if __name__ == "__main__":
