@@ -37,8 +37,27 @@ def __getattr__(name: str):
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
-def source(obj) -> str:
-    """The whole source file that defines ``obj`` (a kernel file reads top to bottom: kernel, then launcher).
-    Notebooks print this rather than copying library code."""
+def source(obj, *names: str) -> str:
+    """Library code as a lesson shows it. ``source(obj)``: the whole file that defines ``obj`` (or the module
+    itself). ``source(obj, "name", ...)``: only those top-level functions and classes of that file, each whole with
+    its decorators and separated by a blank line, in the order asked: the kernel and the lines the idea needs,
+    without the launch plumbing around them. Notebooks print this rather than copying library code."""
     module = sys.modules[obj.__module__] if not inspect.ismodule(obj) else obj
-    return inspect.getsource(module)
+    text = inspect.getsource(module)
+    if not names:
+        return text
+    import ast
+
+    lines = text.splitlines()
+    found = {node.name: node for node in ast.parse(text).body
+             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+    missing = [name for name in names if name not in found]
+    if missing:
+        raise ValueError(f"{module.__name__} defines no top-level {', '.join(missing)} "
+                         f"(it defines: {', '.join(found)})")
+    pieces = []
+    for name in names:
+        node = found[name]
+        start = min([node.lineno, *(d.lineno for d in node.decorator_list)]) - 1
+        pieces.append("\n".join(lines[start:node.end_lineno]))
+    return "\n\n\n".join(pieces) + "\n"

@@ -187,3 +187,17 @@ def test_dtype_supported_is_membership_in_supported_dtypes(monkeypatch, profile)
     monkeypatch.setattr(runtime, "gpu_profile", lambda: runtime.PROFILES[profile] if profile else None)
     for dtype in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.float8_e4m3fn):
         assert runtime.dtype_supported(dtype) == (dtype in runtime.supported_dtypes()), dtype
+
+
+def test_source_shows_the_named_definitions_alone_and_names_a_missing_one():
+    import lessonlib
+    from lessonlib import ops
+
+    whole = lessonlib.source(ops.swiglu)
+    kernel = lessonlib.source(ops.swiglu, "_swiglu_kernel")
+    assert kernel.startswith("@triton.jit\ndef _swiglu_kernel(") and kernel in whole
+    assert "def swiglu_forward" not in kernel and len(kernel.splitlines()) < len(whole.splitlines()) // 4
+    both = lessonlib.source(ops.swiglu, "swiglu_forward", "_swiglu_kernel")
+    assert both.index("def swiglu_forward") < both.index("def _swiglu_kernel")  # the order asked
+    with pytest.raises(ValueError, match="no top-level nope"):
+        lessonlib.source(ops.swiglu, "nope")
