@@ -35,22 +35,25 @@ def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int
     plain_log_ticks(ax)
     return finish(fig)
 
-def online_softmax(trace: list[dict], step: int, exact: np.ndarray, ax=None):
-    """One query row's online softmax after ``step`` tiles: running max and sum, and the output's first components
-    converging to the exact attention output."""
+def online_softmax(trace: list[dict], tiles: int, exact: np.ndarray, ax=None):
+    """One query row's online softmax after its first ``tiles`` tiles: running max and sum, and the output's first
+    components converging to the exact attention output. The components are shades of one colour: they are parts of
+    one output, not implementations (green, red, ... name implementations in lesson 02's figures)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if ax is None else (ax[0].figure, ax)
     seen = [s["keys_seen"] for s in trace]
-    shown = trace[: step + 1]
-    axes[0].plot(seen[: step + 1], [s["m"] for s in shown], "o-", label="running max m")
-    axes[0].plot(seen[: step + 1], [np.log(s["l"]) + s["m"] for s in shown], "s-", label="log-sum-exp m + log l")
+    shown = trace[:tiles]
+    axes[0].plot(seen[:tiles], [s["m"] for s in shown], "o-", color="#252525", label="running max m")
+    axes[0].plot(seen[:tiles], [np.log(s["l"]) + s["m"] for s in shown], "s-", color="#969696",
+                 label="log-sum-exp m + log l")
     axes[0].set_xlim(0, seen[-1] * 1.05)
     axes[0].set_xlabel("keys seen")
-    axes[0].set_title("running statistics")
+    axes[0].set_title(f"running statistics, {tiles} of {len(trace)} tiles")
     axes[0].legend(fontsize=8)
     components = min(4, exact.shape[0])
+    shades = plt.get_cmap("Blues")(np.linspace(0.45, 0.95, components))
     for c in range(components):
-        axes[1].plot(seen[: step + 1], [s["out"][c].item() for s in shown], "o-", color=f"C{c}", label=f"out[{c}]")
-        axes[1].axhline(exact[c], color=f"C{c}", ls=":", lw=1)
+        axes[1].plot(seen[:tiles], [s["out"][c].item() for s in shown], "o-", color=shades[c], label=f"out[{c}]")
+        axes[1].axhline(exact[c], color=shades[c], ls=":", lw=1)
     axes[1].set_xlim(0, seen[-1] * 1.05)
     axes[1].set_xlabel("keys seen")
     axes[1].set_title("output so far (dotted: exact attention)")
