@@ -36,8 +36,9 @@ CALLS = 200  # calls per back-to-back span: a span of a few ms, long beside the 
 
 
 def eager_attention(q, k, v, drop):
-    """Attention as a model written in eager PyTorch runs it: five kernels, each reading and writing the (T, T)
-    scores. ``drop``: (T, T) bool, True above the diagonal (made once, like a model's registered buffer)."""
+    """Attention as a model written in eager PyTorch runs it: five kernels, each reading and writing
+    the (T, T) scores. ``drop``: (T, T) bool, True above the diagonal (made once, like a model's
+    registered buffer)."""
     scores = q @ k.transpose(-1, -2)  # (B, H, T, T)   kernel 1: matmul
     scores = scores * q.shape[-1] ** -0.5  # kernel 2: scale
     scores = scores.masked_fill(drop, float("-inf"))  # kernel 3: mask
