@@ -204,14 +204,16 @@ def causal_mask(n_q: int, n_kv: int, device=None) -> torch.Tensor:
     return j <= i + (n_kv - n_q)
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False, sm_scale: float | None = None,
-              mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Textbook attention, softmax(Q Kᵀ · scale + M) V, materialising the full (Nq, Nkv) score matrix per head.
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
+              sm_scale: float | None = None, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Textbook attention, softmax(Q Kᵀ · scale + M) V, materialising the (Nq, Nkv) score matrix per
+    head.
 
-    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D), H a multiple of Hkv. ``mask``: an additive M broadcastable to
-    (B, H, Nq, Nkv) (0 to keep, -inf to drop); ``causal=True`` adds the end-aligned causal mask (:func:`causal_mask`).
-    Scores and P·V in the inputs' dtype, softmax in float32 (float64 for float64 inputs). A query that sees no key at all gets output 0 (as
-    FlashAttention-2 defines it), not the NaN a plain softmax over nothing would give.
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D), H a multiple of Hkv. ``mask``: an additive M
+    broadcastable to (B, H, Nq, Nkv) (0 to keep, -inf to drop); ``causal=True`` adds the end-aligned
+    causal mask (:func:`causal_mask`). Scores and P·V in the inputs' dtype, softmax in float32
+    (float64 for float64 inputs). A query that sees no key at all gets output 0 (as FlashAttention-2
+    defines it), not the NaN a plain softmax over nothing would give.
     """
     heads, n_q, head_dim = q.shape[1], q.shape[2], q.shape[3]
     n_kv = k.shape[2]
@@ -237,18 +239,20 @@ def attention_score_bytes(batch: int, heads: int, n_q: int, n_kv: int, dtype: to
 
 def flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                           sm_scale: float | None = None, block_m: int = 64, block_n: int = 64):
-    """FlashAttention's algorithm in plain PyTorch: loop over query tiles and key/value tiles, keep per query row a
-    running maximum ``m``, a running sum ``l`` and an unnormalised output ``acc`` (the online softmax), and never
-    build the full score matrix: only a (block_m, block_n) tile of it at a time. Causal: key tiles entirely above
-    the diagonal are skipped, not computed and masked.
+    """FlashAttention's algorithm in plain PyTorch: loop over query tiles and key/value tiles, keep
+    per query row a running maximum ``m``, a running sum ``l`` and an unnormalised output ``acc``
+    (the online softmax), and never build the full score matrix: only a (block_m, block_n) tile of
+    it at a time. Causal: key tiles entirely above the diagonal are skipped, not computed and
+    masked.
 
-    Same arguments as :func:`attention` (no additive mask). Returns ``(out, lse)``: out like q, and the log-sum-exp
-    of each query's scores, (B, H, Nq) float32 (float64 for float64 inputs), which the backward pass uses to recompute P without storing it.
+    Same arguments as :func:`attention` (no additive mask). Returns ``(out, lse)``: out like q, and
+    the log-sum-exp of each query's scores, (B, H, Nq) float32 (float64 for float64 inputs), which
+    the backward pass uses to recompute P without storing it.
     """
     batch, heads, n_q, head_dim = q.shape
     n_kv = k.shape[2]
     scale = sm_scale if sm_scale is not None else head_dim ** -0.5
-    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 for 16-bit inputs, as the kernel does
+    acc_dtype = torch.promote_types(q.dtype, torch.float32)  # float32 for 16-bit inputs
     k, v = _expand_kv(k, heads).to(acc_dtype), _expand_kv(v, heads).to(acc_dtype)
     out = torch.zeros(batch, heads, n_q, head_dim, dtype=acc_dtype, device=q.device)
     lse = torch.full((batch, heads, n_q), float("-inf"), dtype=acc_dtype, device=q.device)
@@ -256,18 +260,21 @@ def flash_attention_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     for m0 in range(0, n_q, block_m):
         m1 = min(m0 + block_m, n_q)
         q_tile = q[:, :, m0:m1].to(acc_dtype) * scale
-        m = torch.full((batch, heads, m1 - m0), float("-inf"), dtype=acc_dtype, device=q.device)  # running max per row
-        l = torch.zeros(batch, heads, m1 - m0, dtype=acc_dtype, device=q.device)  # running sum of exp(score - m)
-        acc = torch.zeros(batch, heads, m1 - m0, head_dim, dtype=acc_dtype, device=q.device)  # running sum of exp(score - m) * v
-        last_key = min(n_kv, m1 + offset) if causal else n_kv  # tiles from here on are all above the diagonal
+        rows = (batch, heads, m1 - m0)
+        m = torch.full(rows, float("-inf"), dtype=acc_dtype, device=q.device)  # running max per row
+        l = torch.zeros(rows, dtype=acc_dtype, device=q.device)  # running sum of exp(score - m)
+        # running sum of exp(score - m) * v
+        acc = torch.zeros(*rows, head_dim, dtype=acc_dtype, device=q.device)
+        last_key = min(n_kv, m1 + offset) if causal else n_kv  # past it: tiles above the diagonal
         for n0 in range(0, max(last_key, 0), block_n):
             n1 = min(n0 + block_n, n_kv)
-            s = q_tile @ k[:, :, n0:n1].transpose(-1, -2)  # (B, H, tile_m, tile_n): one tile of the scores
+            s = q_tile @ k[:, :, n0:n1].transpose(-1, -2)  # (B, H, tile_m, tile_n)
             if causal:  # only tiles on the diagonal have anything to mask
-                visible = torch.arange(n0, n1, device=q.device)[None, :] <= torch.arange(m0, m1, device=q.device)[:, None] + offset
-                s = s.masked_fill(~visible, float("-inf"))
+                keys = torch.arange(n0, n1, device=q.device)
+                queries = torch.arange(m0, m1, device=q.device)
+                s = s.masked_fill(~(keys[None, :] <= queries[:, None] + offset), float("-inf"))
             m_new = torch.maximum(m, s.amax(dim=-1))
-            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row that has seen no key yet
+            m_safe = m_new.masked_fill(m_new == float("-inf"), 0.0)  # a row that saw no key yet
             correction = torch.exp(m - m_safe)  # rescale what was summed under the old maximum
             p = torch.exp(s - m_safe[..., None])
             l = l * correction + p.sum(dim=-1)

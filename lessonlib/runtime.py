@@ -372,7 +372,9 @@ def gpu_only(what: str, instead: str = "The recorded H200 results are shown inst
     """
     if on_gpu():
         return True
-    print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip())
+    said = f"[GPU only] {what}: skipped here (no GPU, Triton interpreter)."
+    # One line where it fits in 100 characters (a notebook's width at 1280 pixels), else ``instead`` on its own line
+    print(said if not instead else f"{said} {instead}" if len(said) + len(instead) < 100 else f"{said}\n{instead}")
     return False
 
 

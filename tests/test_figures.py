@@ -131,3 +131,42 @@ def test_a_recorded_view_with_no_implementation_ticked_says_so(recwarn):
     fig = recorded_vs_live({}, None, (Unit.GBPS,), "case", "NVIDIA H200", "recorded on X")
     fig.canvas.draw()
     assert "no implementation chosen" in [t.get_text() for t in fig.axes[0].texts] and not recwarn.list
+
+
+def test_the_launch_bound_legend_states_the_kernels_the_records_counted():
+    """SDPA's FlashAttention-2 launches one kernel at short T and two (split-KV, then a combine) at T = 512 and
+    1,024 on the H200: the legend says what each record counted, and follows the file when a count changes."""
+    import copy
+
+    from lessonlib.cases.attention_launches import launch_counts
+
+    run = results.load("attention-launches-h200")
+    legend = [t.get_text() for t in plots.launch_bound_attention(run).axes[0].get_legend().get_texts()]
+    sdpa = launch_counts(run, Impl.SDPA_FLASH)
+    assert sorted(set(sdpa.values())) == [1, 2]  # the recorded run this lesson's text describes
+    assert f"{Impl.SDPA_FLASH} (1 kernel at T=16-256, 2 at T=512-1024)" in legend, legend
+    assert f"{Impl.LESSONLIB} (1 kernel)" in legend and f"{Impl.EAGER_ATTENTION} (5 kernels)" in legend, legend
+    planted = copy.deepcopy(run)
+    for record in planted.select(op=Op.LAUNCH_BOUND_ATTENTION, impl=Impl.SDPA_FLASH):
+        record["launches"] = 1
+    legend = [t.get_text() for t in plots.launch_bound_attention(planted).axes[0].get_legend().get_texts()]
+    assert f"{Impl.SDPA_FLASH} (1 kernel)" in legend, legend
+
+
+def test_lesson_02_gives_each_implementation_one_colour_in_every_figure():
+    """Naive attention is grey and cuDNN red in every figure of lesson 02 (its first figure once drew the naive
+    score matrix in cuDNN's red)."""
+    flash = results.load("flash-attention-h200")
+    colours: dict[str, set] = {}
+    memory = plots.score_bytes(8192).axes[0].get_lines()
+    for impl, line in zip((Impl.NAIVE, Impl.LESSONLIB), memory):
+        colours.setdefault(to_hex(line.get_color()), set()).add(impl)
+    figures = [plots.attention_speed(flash, causal=c, op=op) for c in (False, True) for op in (Op.FORWARD, Op.BACKWARD)]
+    figures.append(plots.launch_bound_attention(results.load("attention-launches-h200")))
+    for fig in figures:
+        for line in fig.axes[0].get_lines():
+            impl = next((i for i in (Impl.SDPA_FLASH, Impl.SDPA_CUDNN, Impl.SDPA_EFFICIENT, Impl.NAIVE,
+                                     Impl.EAGER_ATTENTION, Impl.LESSONLIB) if line.get_label().startswith(i)), None)
+            if impl is not None:
+                colours.setdefault(to_hex(line.get_color()), set()).add(impl)
+    assert len(colours) >= 6 and all(len(impls) == 1 for impls in colours.values()), colours

@@ -242,3 +242,21 @@ def test_measure_on_this_gpu_draws_the_live_case_beside_the_recorded_one(lesson)
     ours = next(i for i in spec.impls if i in shown["live"])
     assert all(v is not None and v > 0 for v in shown["live"][ours].values()), shown["live"]
     assert set(shown["live"]) <= set(spec.impls) and set(shown["recorded"]) <= set(spec.impls)
+
+
+def test_the_online_softmax_stepper_shows_the_tile_its_slider_names_from_the_first_to_the_last():
+    """The slider's number is the number of tiles folded in: at 1 the view shows the first tile's keys, at its
+    end the last tile's, where the output is exact (lesson 02's stepper once read "tile 0" beside "after tile 1")."""
+    import re
+
+    seq_len, block = 37, 8  # a ragged last tile: 5 tiles, the last of 5 keys
+    view = widgets.online_softmax_stepper(seq_len=seq_len, block=block)
+    (slider,) = view.controls.values()
+    tiles = -(-seq_len // block)
+    assert (slider.min, slider.max) == (1, tiles) and slider.value == slider.min
+    for value in range(slider.min, slider.max + 1):
+        slider.value = value  # as a student moves it: the view redraws
+        said = re.search(r"after tile (\d+) of (\d+) \((\d+) keys\)", view.text.value)
+        assert said, view.text.value
+        assert [int(g) for g in said.groups()] == [value, tiles, min(value * block, seq_len)], (value, said.group(0))
+    assert view.result["error"] < 1e-12  # the last tile: exact attention

@@ -6,7 +6,9 @@ eager model pays is its kernels' launches. Peers, each checked against float64 b
 
     eager attention   q @ kᵀ, * scale, masked_fill, softmax, @ v: five kernels, as a model written in PyTorch runs it
     lessonlib         ops.flash_attention: one launch
-    SDPA              PyTorch's fused kernel (FlashAttention-2 where the GPU has it): one launch
+    SDPA              PyTorch's fused kernel (FlashAttention-2 where the GPU has it): one launch, or two where it
+                      splits the keys among programs and combines their partial results in a second kernel
+                      (split-KV; on the H200 at T = 512 and 1,024)
 
 Each is timed per call, back to back (``measure.time_back_to_back``: what a decode loop pays, launches included),
 and replayed from a CUDA graph (``graph_us``: the host's side of the launches gone, the GPU's work alone, each
@@ -34,8 +36,9 @@ CALLS = 200  # calls per back-to-back span: a span of a few ms, long beside the 
 
 
 def eager_attention(q, k, v, drop):
-    """Attention as a model written in eager PyTorch runs it: five kernels, each reading and writing the (T, T)
-    scores. ``drop``: (T, T) bool, True above the diagonal (made once, like a model's registered buffer)."""
+    """Attention as a model written in eager PyTorch runs it: five kernels, each reading and writing
+    the (T, T) scores. ``drop``: (T, T) bool, True above the diagonal (made once, like a model's
+    registered buffer)."""
     scores = q @ k.transpose(-1, -2)  # (B, H, T, T)   kernel 1: matmul
     scores = scores * q.shape[-1] ** -0.5  # kernel 2: scale
     scores = scores.masked_fill(drop, float("-inf"))  # kernel 3: mask
@@ -115,3 +118,42 @@ def measure_live(lengths=LENGTHS) -> Results:
     measure(run, lengths)
     return Results(run.benchmark, "lessonlib.cases.attention_launches.measure_live()", environment(), {},
                    run.records, {})
+
+
+def launch_counts(results: Results, impl: str) -> dict[int, int]:
+    """The kernels one call of ``impl`` launched at each recorded T (torch.profiler's count, kept in each record)."""
+    rows = sorted(results.select(op=Op.LAUNCH_BOUND_ATTENTION, impl=impl), key=lambda r: r["shape"]["T"])
+    return {r["shape"]["T"]: r["launches"] for r in rows if r.get("launches") is not None}
+
+
+def launches_text(counts: dict[int, int]) -> str:
+    """"5 kernels" when every length launched as many; else each count with the lengths it held at, e.g.
+    "1 kernel at T=16-256, 2 at T=512-1024" (SDPA's FlashAttention-2 splits the keys at longer T)."""
+    runs: list[list] = []  # [count, first T, last T] for each stretch of lengths with one count
+    for t, n in counts.items():
+        if runs and runs[-1][0] == n:
+            runs[-1][2] = t
+        else:
+            runs.append([n, t, t])
+    if len(runs) == 1:
+        return f"{runs[0][0]} kernel{'s' if runs[0][0] != 1 else ''}"
+    parts = [f"{n} at T={a}" + (f"-{b}" if b != a else "") for n, a, b in runs]
+    return parts[0].replace(" at", f" kernel{'s' if runs[0][0] != 1 else ''} at", 1) + ", " + ", ".join(parts[1:])
+
+
+def table(results: Results) -> str:
+    """Kernels per call and the time cut by fusion (back to back, and from a graph) per T, one column per T, in
+    lines of at most 100 characters."""
+    impls = list(dict.fromkeys(r["impl"] for r in results.select(op=Op.LAUNCH_BOUND_ATTENTION)))
+    lengths = sorted({r["shape"]["T"] for r in results.select(op=Op.LAUNCH_BOUND_ATTENTION)})
+    lines = [f"{'T':>30}" + "".join(f"{t:>7}" for t in lengths)]
+    for impl in impls:
+        counts = launch_counts(results, impl)
+        name = "eager" if impl == Impl.EAGER_ATTENTION else impl
+        lines.append(f"{name + ': kernels per call':30s}" + "".join(f"{counts.get(t, '-'):>7}" for t in lengths))
+        if impl == Impl.EAGER_ATTENTION:
+            continue
+        for field, label in (("us", "time cut, back to back"), ("graph_us", "time cut, graph replay")):
+            cut = time_cuts(results, impl, field)
+            lines.append(f"  {label:28s}" + "".join(f"{cut[t]:>7.0%}" if t in cut else f"{'-':>7}" for t in lengths))
+    return "\n".join(lines)

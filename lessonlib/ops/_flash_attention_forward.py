@@ -14,16 +14,17 @@ LOG2E = tl.constexpr(1.4426950408889634)  # log2(e); a constexpr, the only kind 
 
 
 @triton.jit
-def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, lo, hi, n_kv, causal_offset,
-                  qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Fold key/value tiles [lo, hi) into the online-softmax state. MASKED: apply bounds and the causal mask."""
+def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_m, lo, hi, n_kv,
+                  causal_offset, qk_scale, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Fold key/value tiles [lo, hi) into the online-softmax state. MASKED: bounds, causal mask."""
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = lo + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    # Offsets inside one tile, computed once; each step moves a single scalar base. (Advancing the tile of pointers
-    # itself costs a 64-bit add per pointer per step, and registers: about 0.9x the speed at D=64 on the H200.)
-    k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # K^T tile: (HEAD_DIM, BLOCK_N)
+    # Offsets inside one tile, computed once; each step moves a single scalar base. (Advancing the
+    # tile of pointers itself costs a 64-bit add per pointer per step, and registers: about 0.9x the
+    # speed at D=64 on the H200.)
+    k_tile = tl.arange(0, BLOCK_N)[None, :] * stride_kn + offs_d[:, None]  # Kᵀ: (D, BLOCK_N)
     v_tile = tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :]  # (BLOCK_N, HEAD_DIM)
     for start_n in range(lo, hi, BLOCK_N):
         k_ptrs = k_base + tl.cast(start_n, tl.int64) * stride_kn + k_tile
@@ -47,7 +48,7 @@ def _attend_tiles(acc, m_i, l_i, q, k_base, v_base, stride_kn, stride_vn, start_
             v = tl.load(v_ptrs, mask=in_bounds[:, None], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # the tensor cores add into the rescaled acc
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])  # added into the rescaled acc
         m_i = m_new
         offs_n += BLOCK_N
     return acc, m_i, l_i

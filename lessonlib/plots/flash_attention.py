@@ -17,14 +17,14 @@ def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int
 
     fig, ax = figure(ax, (7.5, 4.2))
     t = np.unique(np.logspace(8, 17.5, 60, base=2).astype(int))
-    ax.loglog(t, [score_matrix_bytes(int(n), heads, itemsize) for n in t], color=IMPL_COLORS[Impl.EAGER],
+    ax.loglog(t, [score_matrix_bytes(int(n), heads, itemsize) for n in t], color=IMPL_COLORS[Impl.NAIVE],
               label=f"score matrix, {heads} heads (naive attention): T²")
     ax.loglog(t, [attention_io_bytes(int(n), heads, head_dim, itemsize) for n in t], color=IMPL_COLORS[Impl.LESSONLIB],
               label="Q, K, V and O (all FlashAttention moves): T")
     ax.axhline(memory_bytes, color="black", ls="--", lw=1)
     ax.text(t[0], memory_bytes * 1.3, f"H200 memory, {memory_bytes / 1e9:.0f} GB", fontsize=8)
     scores = score_matrix_bytes(tokens, heads, itemsize)
-    ax.plot([tokens], [scores], "o", color=IMPL_COLORS[Impl.EAGER], ms=8)
+    ax.plot([tokens], [scores], "o", color=IMPL_COLORS[Impl.NAIVE], ms=8)
     ax.annotate(f"T={tokens:,}: {scores / 1e9:,.2f} GB", (tokens, scores), textcoords="offset points", xytext=(-10, 10),
                 ha="right", fontsize=9)
     ax.set_xlabel("sequence length T (tokens)")
@@ -35,22 +35,25 @@ def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int
     plain_log_ticks(ax)
     return finish(fig)
 
-def online_softmax(trace: list[dict], step: int, exact: np.ndarray, ax=None):
-    """One query row's online softmax after ``step`` tiles: running max and sum, and the output's first components
-    converging to the exact attention output."""
+def online_softmax(trace: list[dict], tiles: int, exact: np.ndarray, ax=None):
+    """One query row's online softmax after its first ``tiles`` tiles: running max and sum, and the output's first
+    components converging to the exact attention output. The components are shades of one colour: they are parts of
+    one output, not implementations (green, red, ... name implementations in lesson 02's figures)."""
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if ax is None else (ax[0].figure, ax)
     seen = [s["keys_seen"] for s in trace]
-    shown = trace[: step + 1]
-    axes[0].plot(seen[: step + 1], [s["m"] for s in shown], "o-", label="running max m")
-    axes[0].plot(seen[: step + 1], [np.log(s["l"]) + s["m"] for s in shown], "s-", label="log-sum-exp m + log l")
+    shown = trace[:tiles]
+    axes[0].plot(seen[:tiles], [s["m"] for s in shown], "o-", color="#252525", label="running max m")
+    axes[0].plot(seen[:tiles], [np.log(s["l"]) + s["m"] for s in shown], "s-", color="#969696",
+                 label="log-sum-exp m + log l")
     axes[0].set_xlim(0, seen[-1] * 1.05)
     axes[0].set_xlabel("keys seen")
-    axes[0].set_title("running statistics")
+    axes[0].set_title(f"running statistics, {tiles} of {len(trace)} tiles")
     axes[0].legend(fontsize=8)
     components = min(4, exact.shape[0])
+    shades = plt.get_cmap("Blues")(np.linspace(0.45, 0.95, components))
     for c in range(components):
-        axes[1].plot(seen[: step + 1], [s["out"][c].item() for s in shown], "o-", color=f"C{c}", label=f"out[{c}]")
-        axes[1].axhline(exact[c], color=f"C{c}", ls=":", lw=1)
+        axes[1].plot(seen[:tiles], [s["out"][c].item() for s in shown], "o-", color=shades[c], label=f"out[{c}]")
+        axes[1].axhline(exact[c], color=shades[c], ls=":", lw=1)
     axes[1].set_xlim(0, seen[-1] * 1.05)
     axes[1].set_xlabel("keys seen")
     axes[1].set_title("output so far (dotted: exact attention)")
@@ -117,7 +120,7 @@ def forward_time_budget(results: Results, shape: dict, ax=None):
              "#bdbdbd")]
     rows += [(label, results.one(op=Op.FORWARD_VARIANT, impl=impl, **shape)["us"], color)
              for impl, label, color in FORWARD_BUDGET]
-    rows += [("cuDNN (SDPA)", r["us"], "#9467bd") for r in results.select(op=Op.FORWARD, impl=Impl.SDPA_CUDNN, **shape)]
+    rows += [("cuDNN (SDPA)", r["us"], IMPL_COLORS[Impl.SDPA_CUDNN]) for r in results.select(op=Op.FORWARD, impl=Impl.SDPA_CUDNN, **shape)]
     ys = np.arange(len(rows))[::-1]
     ax.barh(ys, [us for _, us, _ in rows], color=[c for _, _, c in rows], height=0.6)
     ax.set_yticks(ys, [label for label, _, _ in rows], fontsize=8)
@@ -136,9 +139,9 @@ def forward_time_budget(results: Results, shape: dict, ax=None):
 def launch_bound_attention(results: Results, footnote: str | None = None):
     """Attention at tiny T (``lessonlib.cases.attention_launches``): left, time per call of each implementation,
     back to back (solid, launches included) and replayed from a CUDA graph (dashed, the GPU's work alone), each
-    labelled with the kernels one call launches; right, the time cut by fusion, 1 - fused / eager, with the news
+    labelled with the kernels one call launches, read from the records (SDPA's count changes with T); right, the time cut by fusion, 1 - fused / eager, with the news
     item's 70% as a line. ``footnote``: the provenance (default: the results file's)."""
-    from lessonlib.cases.attention_launches import time_cuts
+    from lessonlib.cases.attention_launches import launch_counts, launches_text, time_cuts
 
     records = results.select(op=Op.LAUNCH_BOUND_ATTENTION)
     impls = list(dict.fromkeys(r["impl"] for r in records))
@@ -148,7 +151,7 @@ def launch_bound_attention(results: Results, footnote: str | None = None):
         color = IMPL_COLORS.get(impl, "black")
         t = [r["shape"]["T"] for r in rows]
         times.plot(t, [r["us"] for r in rows], "o-", color=color,
-                   label=f"{impl} ({rows[0]['launches']} kernel{'s' if rows[0]['launches'] != 1 else ''})")
+                   label=f"{impl} ({launches_text(launch_counts(results, impl))})")
         graphed = [(r["shape"]["T"], r["graph_us"]) for r in rows if r.get("graph_us") is not None]
         if graphed:
             times.plot(*zip(*graphed), "s--", color=color, alpha=0.6, ms=4)
@@ -166,7 +169,8 @@ def launch_bound_attention(results: Results, footnote: str | None = None):
     times.legend(fontsize=7, loc="upper left")
     cuts.axhline(70, color="black", ls=":", lw=1.2, label="the news item: up to 70%")
     cuts.set(xscale="log", xlabel="sequence length T", ylabel="time cut by fusion, % (1 - fused / eager)")
-    cuts.set_title("what one fused launch saves over eager's five kernels", fontsize=10)
+    eager = launches_text(launch_counts(results, Impl.EAGER_ATTENTION))
+    cuts.set_title(f"what fusing saves over eager's {eager}", fontsize=10)
     cuts.legend(fontsize=7, loc="lower left")
     lengths = sorted({r["shape"]["T"] for r in records})
     for ax in (times, cuts):

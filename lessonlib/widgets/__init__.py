@@ -129,20 +129,21 @@ def score_memory_explorer():
     return FigureView(show_score_memory, controls)
 
 
-def show_online_softmax(trace, exact, step=0) -> dict:
-    """The online softmax after ``step`` + 1 tiles."""
-    step = min(step, len(trace) - 1)
-    state = trace[step]
+def show_online_softmax(trace, exact, tiles=1) -> dict:
+    """The online softmax after the first ``tiles`` tiles (1 to ``len(trace)``: the slider's number is the count)."""
+    tiles = max(1, min(tiles, len(trace)))
+    state = trace[tiles - 1]
     error = float((state["out"] - torch.as_tensor(exact)).abs().max())
-    print(f"after tile {step + 1} of {len(trace)} ({state['keys_seen']} keys): m = {state['m']:.4f}, "
-          f"l = {state['l']:.4f}, rescale of the old sum = {state['correction']:.4f}, "
+    print(f"after tile {tiles} of {len(trace)} ({state['keys_seen']} keys): m = {state['m']:.4f}, "
+          f"l = {state['l']:.4f}, old sum rescaled by {state['correction']:.4f}\n"
           f"max |output - exact| = {error:.2e}")
-    plots.online_softmax(trace, step, np.asarray(exact))
+    plots.online_softmax(trace, tiles, np.asarray(exact))
     return {"m": state["m"], "l": state["l"], "error": error}
 
 
 def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8, seed: int = 0):
-    """Step through one query's keys tile by tile: running max, running sum, and the output converging to exact."""
+    """Step through one query's keys tile by tile: running max, running sum, and the output converging to exact.
+    The slider counts the tiles folded in, from 1 (the first tile) to the last, where the output is exact."""
     import ipywidgets as w
 
     from lessonlib import reference
@@ -153,7 +154,8 @@ def online_softmax_stepper(seq_len: int = 40, block: int = 8, head_dim: int = 8,
     values = torch.randn(seq_len, head_dim, generator=generator, dtype=torch.float64)
     exact = (torch.softmax(scores, dim=0) @ values).numpy()
     trace = reference.online_softmax_trace(scores, values, block)
-    controls = {"step": w.IntSlider(value=0, min=0, max=len(trace) - 1, description="tile", continuous_update=False)}
+    controls = {"tiles": w.IntSlider(value=1, min=1, max=len(trace), description="tiles seen",
+                                     continuous_update=False)}
     view = FigureView(show_online_softmax, controls, {"trace": trace, "exact": exact})
     view.trace, view.exact = trace, exact
     return view
