@@ -531,10 +531,10 @@ LESSONS_05_06_07 = (
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",
           "the live ladder's stored output: the plain rung's seconds the least"),
-    Measured("07_serving_engine", "batch-1-limit", "Six kernels a layer still leave the step short of its bytes-read "
-             "limit", "Six kernels", fused_kernels_per_layer),
-    Holds("07_serving_engine", "batch-1-limit", "Six kernels a layer still leave the step short of its bytes-read "
-          "limit", lambda: fused_decode_step("engine-h200")["fraction_of_limit"] < 1,
+    Measured("07_serving_engine", "batch-1-limit", "The fused layer's six kernels a layer still leave the step short "
+             "of its bytes-read limit", "six kernels", fused_kernels_per_layer),
+    Holds("07_serving_engine", "batch-1-limit", "The fused layer's six kernels a layer still leave the step short of "
+          "its bytes-read limit", lambda: fused_decode_step("engine-h200")["fraction_of_limit"] < 1,
           "the recorded fused step's fraction of its bytes-read limit"),
     Measured("07_serving_engine", "batch-1-limit", "what was tried below six kernels a layer", "six kernels",
              fused_kernels_per_layer),
