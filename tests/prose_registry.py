@@ -470,10 +470,51 @@ def chunked_prefill_case() -> tuple:
 
 @functools.lru_cache(maxsize=None)
 def saturation_ratios() -> tuple[float, ...]:
-    """Chunked over prefill-first output tokens/s at saturation: the committed serving run and the earlier run of the
-    same session, kept in benchmarks/experiments/results/."""
+    """Chunked over prefill-first output tokens/s at saturation: the recorded serving run and the earlier run of the
+    same day, kept in benchmarks/experiments/results/."""
     earlier = results.load(ROOT / "benchmarks/experiments/results/serving-h200-earlier-run.json")
     return tuple(r.notes["targets"]["saturation_chunked_over_prefill_first"] for r in (run("serving-h200"), earlier))
+
+
+def engine_batches() -> list[int]:
+    return sorted({r["shape"]["batch"] for r in run("engine-h200").select(op=Op.GENERATE)})
+
+
+def ladder_rows() -> list[dict]:
+    return run("engine-h200").select(op="tokens_per_s_ladder")
+
+
+def ladder_row(rung: str) -> dict:
+    return run("engine-h200").one(op="tokens_per_s_ladder", impl=rung)
+
+
+def ladder_shape() -> dict:
+    shapes = [r["shape"] for r in ladder_rows()]
+    assert all(shape == shapes[0] for shape in shapes), shapes
+    return shapes[0]
+
+
+def two_rungs_carry_the_gain() -> bool:
+    """The graph and batching rungs' gains are the ladder's two largest, and the only two whose slowest run beats the
+    rung below's fastest."""
+    rows = ladder_rows()
+    gains = {r["impl"]: r["tokens_per_s"] / below["tokens_per_s"] for below, r in itertools.pairwise(rows)}
+    beyond = {r["impl"] for below, r in itertools.pairwise(rows) if r["tokens_per_s_min"] > below["tokens_per_s_max"]}
+    top_two = set(sorted(gains, key=gains.get)[-2:])
+    return top_two == beyond == {Impl.RUNG_CUDA_GRAPHS, Impl.RUNG_CONTINUOUS_BATCHING}
+
+
+def experiment_file(name: str) -> list[dict]:
+    return json.loads((ROOT / f"benchmarks/experiments/results/{name}.json").read_text())["results"]
+
+
+def single(values: set):
+    assert len(values) == 1, values
+    return values.pop()
+
+
+def earlier_serving() -> results.Results:
+    return results.load(ROOT / "benchmarks/experiments/results/serving-h200-earlier-run.json")
 
 
 ENGINE_RUNS = ("engine-h200", "engine-qwen-h200")  # bench_engine.py's Llama-3.2-1B and Qwen2.5-0.5B shapes
@@ -565,11 +606,27 @@ LESSONS_05_06_07 = (
              lambda: 11 * math.log10(2), within=0.5, why="float16's 11-bit significand (IEEE 754 binary16)"),
     Holds("06_vllm", "7bf7aa95", "a gap of a few such steps", lambda: all(r <= 4 for r in near_ties()),
           "every parting's gap within four float16 spacings (the stored output)"),
+    # lesson 07: the engine, the ladder, the batch-1 limit, latency
     Measured("07_serving_engine", "57690133", "must read every weight once: 2.47 GB", "2.47 GB",
              lambda: run("engine-h200").one(op="decode_step_limit", batch=1)["weight_bytes"] / 1e9),
-    Holds("07_serving_engine", "8a1d0c01", "\"+ CUDA graphs\", several times faster than the rung below it",
+    Holds("07_serving_engine", "57690133", "transformers' `generate` at batch 1, 8 and 32",
+          lambda: engine_batches() == [1, 8, 32], "the recorded run's generate records"),
+    Holds("07_serving_engine", "8a1d0c01", "64 requests for 32 seats, 128-token prompts, 16 to 256 new tokens each",
+          lambda: ladder_shape() == {"requests": 64, "max_num_seqs": 32, "prompt": 128, "max_tokens_low": 16,
+                                     "max_tokens_high": 256}, "the recorded ladder's workload"),
+    Holds("07_serving_engine", "8a1d0c01", "Each rung ran three times",
+          lambda: {r["repeats"] for r in ladder_rows()} == {3}, "the recorded ladder's timed runs per rung"),
+    Holds("07_serving_engine", "ladder-reading", "\"+ CUDA graphs\", several times faster than the rung below it",
           lambda: ladder(Impl.RUNG_CUDA_GRAPHS) / ladder(Impl.RUNG_PAGED_DECODE) >= SEVERAL,
           "tokens/s of the recorded ladder"),
+    Holds("07_serving_engine", "ladder-reading", "and keep the seats full (\"+ continuous batching\") carry the gain",
+          two_rungs_carry_the_gain, "the graph and batching rungs: the two largest gains of the ladder, the only "
+          "ones whose runs' ranges do not overlap the rung below's"),
+    Holds("07_serving_engine", "ladder-reading", "The fused-ops and paged-decode rungs cut the GPU's time per step",
+          lambda: all(ladder_row(rung)["gpu_us_per_step"] < ladder_row(below)["gpu_us_per_step"]
+                      for rung, below in ((Impl.RUNG_FUSED_OPS, Impl.RUNG_PLAIN),
+                                          (Impl.RUNG_PAGED_DECODE, Impl.RUNG_FLASH_PREFILL))),
+          "the recorded ladder's GPU µs per step, each rung against the rung below it"),
     Holds("07_serving_engine", "dcf821c8", "the Llama-3.2-1B-shaped model in bfloat16, 32 running decodes, one "
           "4,096-token prompt, a 512-token budget",
           lambda: chunked_prefill_case() == ("bfloat16", 2048, 32, 4096, 512),
@@ -577,35 +634,62 @@ LESSONS_05_06_07 = (
     Holds("07_serving_engine", "aa3a828d", "The rates double, so a knee ratio is a power of two: 2x means one rate "
           "step higher.", lambda: all(b == 2 * a for a, b in itertools.pairwise(run("serving-h200").notes["sizes"][
               "rates"])), "the recorded run's rates, each twice the one before"),
-    Holds("07_serving_engine", "aa3a828d", "each rate is one burst of at most 250 requests",
-          lambda: run("serving-h200").notes["sizes"]["requests"][1] == 250, "the recorded run's request bound"),
-    Holds("07_serving_engine", "aa3a828d", "moved the chunked / prefill-first ratio by more than the 5% the target "
-          "allows, in both directions", lambda: min(saturation_ratios()) < 0.95 and max(saturation_ratios()) > 1.05,
-          "the two H200 runs of 2026-12-03: one under 0.95, one over 1.05"),
-    Holds("07_serving_engine", "aa3a828d", "not as a measured 5%",
-          lambda: run("serving-h200").notes["targets"]["targets"]["saturation_chunked_over_prefill_first"] == 0.95,
-          "the target the run checks: 0.95"),
     Holds("07_serving_engine", "8a1d0c03", "which is why the plain-PyTorch rung is the fastest here",
           lambda: min(live_ladder_seconds(), key=live_ladder_seconds().get) == "plain PyTorch",
           "the live ladder's stored output: the plain rung's seconds the least"),
-    Measured("07_serving_engine", "fewer-kernels", "Neither model reaches its bytes-read limit with six kernels a "
-             "layer", "six kernels", fused_kernels_per_layer),
-    Holds("07_serving_engine", "fewer-kernels", "Neither model reaches its bytes-read limit",
+    Measured("07_serving_engine", "batch-1-limit", "The fused layer's six kernels a layer still leave the step short "
+             "of its bytes-read limit", "six kernels", fused_kernels_per_layer),
+    Holds("07_serving_engine", "batch-1-limit", "The fused layer's six kernels a layer still leave the step short of "
+          "its bytes-read limit", lambda: fused_decode_step("engine-h200")["fraction_of_limit"] < 1,
+          "the recorded fused step's fraction of its bytes-read limit"),
+    Measured("07_serving_engine", "batch-1-limit", "what was tried below six kernels a layer", "six kernels",
+             fused_kernels_per_layer),
+    # the appendix's lesson 07 section (cells moved out of lesson 07 keep their ids)
+    Holds("appendix_measurements", "l07-engine-run", "128-token prompts with 128 new tokens at batch 1, 8 and 32",
+          lambda: engine_batches() == [1, 8, 32] and all(
+              r["shape"]["prompt"] == 128 and r["shape"]["new_tokens"] == 128
+              for r in run("engine-h200").select(op=Op.GENERATE)), "the recorded run's generate records"),
+    Holds("appendix_measurements", "l07-ladder-run", "three timed runs",
+          lambda: {r["repeats"] for r in ladder_rows()} == {3}, "the recorded ladder's timed runs per rung"),
+    Holds("appendix_measurements", "l07-ladder-run", "so few requests keep the top rung's tokens",
+          lambda: all(r["same_tokens_as_top_rung"] <= 0.05 * r["shape"]["requests"] for r in ladder_rows()[:-1]),
+          "few: at most 5% of the requests, every rung below the top"),
+    Holds("appendix_measurements", "825f33c2", "reads fewer bytes per step than the Llama above but has more layers",
+          lambda: (run("engine-qwen-h200").notes["model"]["weight_bytes"] < run("engine-h200").notes["model"][
+              "weight_bytes"] and run("engine-qwen-h200").notes["model"]["shape"]["num_hidden_layers"]
+              > run("engine-h200").notes["model"]["shape"]["num_hidden_layers"]), "the two recorded runs' models"),
+    Measured("appendix_measurements", "l07-profile", "captures the fused step (six kernels a layer)", "six kernels",
+             lambda: single({r["kernels_per_layer"] for r in experiment_file("decode-step-profile-h200")})),
+    Measured("appendix_measurements", "fewer-kernels", "Below six kernels a layer", "six kernels",
+             fused_kernels_per_layer),
+    Measured("appendix_measurements", "fewer-kernels", "Neither model reaches its bytes-read limit with six kernels "
+             "a layer", "six kernels", fused_kernels_per_layer),
+    Holds("appendix_measurements", "fewer-kernels", "Neither model reaches its bytes-read limit",
           lambda: all(fused_decode_step(name)["fraction_of_limit"] < 1 for name in ENGINE_RUNS),
           "the recorded fused steps' fraction of their bytes-read limit, both models"),
-    Holds("07_serving_engine", "fewer-kernels", "four kernels a layer. It is slower than six on both models",
+    Holds("appendix_measurements", "fewer-kernels", "four kernels a layer. It is slower than six on both models",
           four_kernel_layer_slower, "benchmarks/experiments/results/decode-qkv-attention-h200.json, medians of the "
           "rounds, each shape"),
-    Holds("07_serving_engine", "fewer-kernels", "one program then walks the whole context alone, which costs more "
-          "than the two kernel boundaries it saves", serial_walk_costs_more_than_the_boundaries,
+    Holds("appendix_measurements", "fewer-kernels", "one program then walks the whole context alone, which costs "
+          "more than the two kernel boundaries it saves", serial_walk_costs_more_than_the_boundaries,
           "the same file: one split against paged_attention's costs more than four kernels save over six at one "
           "split, each shape"),
-    Holds("07_serving_engine", "fewer-kernels", "slower per product than a kernel each", persistent_chain_slower,
+    Holds("appendix_measurements", "fewer-kernels", "slower per product than a kernel each", persistent_chain_slower,
           "benchmarks/experiments/results/persistent-gemv-chain-h200.json: the best persistent variant, each width"),
-    Measured("07_serving_engine", "fewer-kernels", "the barrier alone takes about 1 µs", "about 1", barrier_us,
+    Measured("appendix_measurements", "fewer-kernels", "the barrier alone takes about 1 µs", "about 1", barrier_us,
              within=0.5, why="about: one significant digit"),
-    Given("07_serving_engine", "fewer-kernels", "reported 78% of an H100's bandwidth (2025)",
+    Given("appendix_measurements", "fewer-kernels", "reported 78% of an H100's bandwidth (2025)",
           "Hazy Research's post on their Llama-1B megakernel (May 2025), quoted"),
+    Holds("appendix_measurements", "l07-chunked-tail", "one 4,096-token prompt",
+          lambda: chunked_prefill_case()[3] == 4096, "the recorded H200 run's long prompt"),
+    Holds("appendix_measurements", "l07-serving", "each rate is one burst of at most 250 requests",
+          lambda: run("serving-h200").notes["sizes"]["requests"][1] == 250, "the recorded run's request bound"),
+    Holds("appendix_measurements", "l07-serving", "put chunked prefill's saturation ratio below 0.95 where this one "
+          "is above 1.05", lambda: saturation_ratios()[1] < 0.95 < 1.05 < saturation_ratios()[0],
+          "the earlier and the recorded H200 run of the same day"),
+    Holds("appendix_measurements", "l07-serving", "and transformers' knee lower",
+          lambda: earlier_serving().notes["targets"]["knee_rate"][Impl.HF_SERVE]
+          < run("serving-h200").notes["targets"]["knee_rate"][Impl.HF_SERVE], "the two runs' transformers knees"),
 )
 
 FIGURES = LESSON_01 + LESSON_02 + LESSONS_00_03_04 + LESSONS_05_06_07

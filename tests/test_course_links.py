@@ -94,8 +94,13 @@ def test_make_relink_repoints_a_fork(tmp_path):
     check = subprocess.run([sys.executable, "tools/course_links.py", "--check"], cwd=tmp_path, capture_output=True,
                            text=True)
     assert check.returncode == 0 and "me/my-fork" in check.stdout, check.stdout + check.stderr
-    files = [tmp_path / "README.md", *tmp_path.glob("notebooks/*.ipynb"), *tmp_path.glob("notebooks/student/*.ipynb")]
+    lessons = [tmp_path / "notebooks" / path.name for path in course_links.instructor_notebooks()]
+    files = [tmp_path / "README.md", *lessons, *tmp_path.glob("notebooks/student/*.ipynb")]
     assert len(files) == 1 + 2 * len(course_links.instructor_notebooks())
+    # the appendix of measured results is not a lesson: no badges, no set-up cell, nothing for relink to rewrite
+    appendix = "notebooks/appendix_measurements.ipynb"
+    assert (tmp_path / appendix).read_text() == (ROOT / appendix).read_text()
+    assert COURSE.slug not in (ROOT / appendix).read_text() and not links((ROOT / appendix).read_text())
     for path in files:
         text = path.read_text()
         assert COURSE.slug not in text, path

@@ -1,8 +1,9 @@
-"""What lesson 07's section 10 and 11 cells print and draw from a run (the decodes' gaps, the serving targets in
+"""What lesson 07's latency and serving cells print and draw from a run (the decodes' gaps, the servers compared in
 words, the chunked-prefill timeline's labels inside its axes), and exercise 1's checker naming each planted mistake.
-No engine runs here: hand-made records, the committed CPU run, the notebook's own solution."""
+No engine runs here: hand-made records, the recorded CPU run, the notebook's own solution."""
 
 import random
+import re
 
 import matplotlib.pyplot as plt
 import pytest
@@ -49,28 +50,28 @@ def serving_targets_run(peer_knee: float, ours_knee: float, tokens: dict, peer_e
                    {"targets": bench_serving.targets(records)})
 
 
-def test_the_serving_targets_are_printed_in_words_with_their_thresholds():
+def test_the_servers_are_compared_in_words_with_measurements_and_no_verdict_on_a_target():
     peer_knee = 2.0 ** random.randrange(1, 4)
     ours_knee = peer_knee * random.choice([1, 2, 4])
-    saturation = random.choice([900.0, 990.0])  # chunked over prefill-first's 1000: 0.90 missed, 0.99 met
-    text = plots.serving_targets(serving_targets_run(
+    saturation = random.choice([900.0, 990.0])  # chunked prefill's output tokens/s against prefill-first's 1000
+    text = plots.serving_summary(serving_targets_run(
         peer_knee, ours_knee, {Impl.SERVER_CHUNKED_PREFILL: saturation, Impl.SERVER_NO_CHUNKED_PREFILL: 1000.0}))
     lines = text.splitlines()
     assert f"{Impl.HF_SERVE:42s} {peer_knee:g} requests/s" in text and f"{ours_knee:g} requests/s" in text, text
-    knee = f"knee {ours_knee / peer_knee:.2f}x transformers' (target: at least 2x): "
-    assert sum(line.strip() == knee + ("met" if ours_knee >= 2 * peer_knee else "missed") for line in lines) == 2, text
-    # at the peer's knee our p99 TTFT is 15 ms and ITL 10 ms: within half of the peer's (its TTFT under 2 s, ITL 40)
-    met = "p99 ITL 0.25x transformers' (target: at most 0.5x each): met"
-    assert sum(line.endswith(met) for line in lines) == 2, text
-    assert lines[-1] == (f"output tokens/s at saturation, chunked prefill over prefill-first: {saturation / 1000:.2f}x "
-                         f"(target: at least 0.95x): {'met' if saturation >= 950 else 'missed'}"), text
+    assert f"at its knee rate, {peer_knee:g} requests/s:" in text, text
+    # at the peer's knee our p99 TTFT is 15 ms and ITL 10 ms, the peer's ITL 40 ms
+    knee = f"knee {ours_knee / peer_knee:.2f}x; TTFT "
+    assert sum(knee in line and line.endswith("ITL 0.25x") for line in lines) == 2, text
+    assert lines[-1].endswith(f"chunked prefill over prefill-first: {saturation / 1000:.2f}x"), text
+    for word in ("target", "met", "missed"):  # measurements and comparisons, never the course graded
+        assert not re.search(rf"\b{word}\b", text), (word, text)
 
 
 def test_a_server_that_did_not_run_is_not_measured_not_past_its_knee():
-    text = plots.serving_targets(serving_targets_run(
+    text = plots.serving_summary(serving_targets_run(
         4.0, 8.0, {Impl.SERVER_CHUNKED_PREFILL: 990.0, Impl.SERVER_NO_CHUNKED_PREFILL: 1000.0}, peer_error=True))
     assert f"{Impl.HF_SERVE:42s} not measured" in text and "even the lowest rate" not in text, text
-    assert "knee not measured (target: at least 2x): not measured" in text, text
+    assert text.count("knee not measured; TTFT not measured, ITL not measured") == 2, text
 
 
 def test_the_timeline_labels_stay_inside_their_axes():

@@ -1,5 +1,5 @@
-"""Run the course notebooks top to bottom in a fresh kernel and store their outputs (what readers see on GitHub,
-and what nbval compares in cells marked NBVAL_CHECK_OUTPUT).
+"""Run the course notebooks (the lessons, then the appendix of measured results) top to bottom in a fresh kernel and
+store their outputs (what readers see on GitHub, and what nbval compares in cells marked NBVAL_CHECK_OUTPUT).
 
     python tools/execute_notebooks.py [notebooks/01_operator_fusion.ipynb ...]
     python tools/execute_notebooks.py --setup-only [...]   # only the set-up cell (what `make relink` rewrites)
@@ -27,7 +27,8 @@ def main(argv=None):
     parser.add_argument("--setup-only", action="store_true",
                         help="run only the first code cell in a fresh kernel and store its output; leave the rest")
     args = parser.parse_args(argv)
-    for path in args.paths or sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")):
+    lessons = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    for path in args.paths or lessons + [ROOT / "notebooks" / "appendix_measurements.ipynb"]:
         start = time.time()
         notebook = nbformat.read(path, as_version=4)
         if args.setup_only:

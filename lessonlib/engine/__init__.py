@@ -26,7 +26,7 @@ The folder tree is the architecture (nano-vllm's layout):
 
 The engine alone: what lesson 07 runs on it (the tokens/s ladder, the scheduler simulation, the live checks) is in
 ``lessonlib.cases.serving_engine``, what it draws in ``lessonlib.plots.serving_engine``. Nothing here imports
-``lessonlib.plots``, ``results``, ``widgets`` or ``serving`` (``tests/test_code_shape.py`` checks).
+``lessonlib.plots``, ``results``, ``widgets`` or ``serving`` (a test of the code's shape checks).
 """
 
 from lessonlib.engine.config import ModelConfig

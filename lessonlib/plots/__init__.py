@@ -14,7 +14,7 @@ from lessonlib.plots.recorded import recorded_vs_live
 from lessonlib.plots.paged_attention import block_tables, kv_reservation, paged_attention_speed, paging_payoff
 from lessonlib.plots.roofline import roofline
 from lessonlib.plots.serving_engine import chunked_prefill_timeline
-from lessonlib.plots.serving import serving_latency, serving_targets
+from lessonlib.plots.serving import serving_latency, serving_summary
 from lessonlib.plots.triton_basics import program_map
 
 __all__ = ["IMPL_COLORS", "FORWARD_BUDGET", "attention_speed", "bandwidth", "block_tables", "chunked_prefill_timeline",
@@ -22,4 +22,4 @@ __all__ = ["IMPL_COLORS", "FORWARD_BUDGET", "attention_speed", "bandwidth", "blo
            "figure", "finish", "forward_time_budget", "gated_mlp", "kv_reservation", "launch_bound_attention",
            "launch_counts", "launch_modes", "launch_overhead", "online_softmax", "paged_attention_speed",
            "paging_payoff", "per_call_time", "program_map", "recorded_vs_live", "register_pressure", "roofline",
-           "score_bytes", "serving_latency", "serving_targets", "tile_plan_grid", "traffic_bars"]
+           "score_bytes", "serving_latency", "serving_summary", "tile_plan_grid", "traffic_bars"]

@@ -47,7 +47,7 @@ def serving_latency(results: Results, workload: str = "random", footnote: str | 
     styles = [Line2D([], [], color="grey", marker="o", label="p50 (solid)"),
               Line2D([], [], color="grey", marker="^", linestyle="--", label="p99 (dashed)")]
     knee_s = results.notes.get("targets", {}).get("ttft_knee_s")
-    if knee_s is not None:  # the limit that defines each server's knee (serving_targets prints the verdicts)
+    if knee_s is not None:  # the limit that defines each server's knee (serving_summary prints each server's)
         axes[0].axhline(1e3 * knee_s, color="black", linestyle=":", linewidth=1)
         styles.append(Line2D([], [], color="black", linestyle=":", label=f"knee: p99 TTFT {knee_s:g} s"))
     fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + len(styles), fontsize=8,
@@ -56,35 +56,39 @@ def serving_latency(results: Results, workload: str = "random", footnote: str | 
     return finish(fig, footnote if footnote is not None else results.provenance(), bottom=0.24)
 
 
-def serving_targets(results: Results) -> str:
-    """The run's verdicts on the course's serving targets (``notes["targets"]``, computed by bench_serving.py from
-    its random-workload records), each with its threshold, in words: a line per verdict."""
+def serving_summary(results: Results) -> str:
+    """The run's comparison of the servers, in words, from ``notes["targets"]`` (computed by bench_serving.py from its
+    random-workload records): each server's knee, each of this server's schedules against transformers' (knee over
+    knee, and p99 TTFT and ITL at transformers' knee rate), and chunked prefill's output tokens/s at saturation over
+    prefill-first's. A knee no rate was past is a lower bound, and a ratio over it is said to be one."""
     notes = results.notes["targets"]
-    goal = notes["targets"]
     ran = {r["impl"] for r in results.select(op=Op.SERVING) if r["shape"].get("workload") == "random"
            and "error" not in r}
+    reached = notes.get("knee_reached", {})
     lines = [f"each server's knee, the highest request rate whose p99 time to first token stays under "
              f"{notes['ttft_knee_s']:g} s:"]
-    reached = notes.get("knee_reached", {})
     lines += [f"  {server:42s} {_rate(rate, reached.get(server) is not False) if server in ran else _NOT_RUN}"
               for server, rate in notes["knee_rate"].items()]
-    peer_undecided = "undecided: transformers' knee was not reached" if reached.get(Impl.HF_SERVE) is False else None
+    peer_rate = notes["knee_rate"].get(Impl.HF_SERVE)
+    at = f", {peer_rate:g} requests/s" if peer_rate is not None else ""
+    lines.append(f"over transformers' server: the knee; the p99 TTFT and ITL at its knee rate{at}:")
     for server in (Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL):
         verdict = notes[server]
         p99 = verdict.get("p99_over_peer_at_peer_knee", {})
-        undecided = peer_undecided or ("undecided: its knee was not reached" if reached.get(server) is False else None)
-        knee_met = _met(verdict["met_knee"], undecided)
-        latency_met = _met(verdict["met_latency_at_peer_knee"], peer_undecided)
-        lines += [f"{server}, against transformers' server:",
-                  f"  knee {_times(verdict['knee_rate_over_peer'], PEER)} (target: at least "
-                  f"{goal['knee_rate_over_peer']:g}x): {knee_met}",
-                  f"  at transformers' knee rate, p99 TTFT {_times(p99.get('ttft_ms'), PEER)}, p99 ITL "
-                  f"{_times(p99.get('itl_ms'), PEER)} (target: at most "
-                  f"{goal['latency_over_peer_at_its_knee']:g}x each): {latency_met}"]
-    lines.append(f"output tokens/s at saturation, chunked prefill over prefill-first: "
-                 f"{_times(notes['saturation_chunked_over_prefill_first'])} (target: at least "
-                 f"{goal['saturation_chunked_over_prefill_first']:g}x): {_met(notes['met_saturation'])}")
+        lines.append(f"  {server:42s} knee {_knee_ratio(verdict['knee_rate_over_peer'], reached, server)}; "
+                     f"TTFT {_times(p99.get('ttft_ms'))}, ITL {_times(p99.get('itl_ms'))}")
+    lines.append(f"output tokens/s at saturation (the most at any rate), chunked prefill over prefill-first: "
+                 f"{_times(notes['saturation_chunked_over_prefill_first'])}")
     return "\n".join(lines)
+
+
+def _knee_ratio(ratio: float | None, reached: dict, server: str) -> str:
+    """Knee over transformers' knee: at least (our knee a lower bound), at most (its knee a lower bound), or
+    undecided (both)."""
+    ours, peer = reached.get(server) is False, reached.get(Impl.HF_SERVE) is False
+    if ratio is None or (ours and peer):
+        return "not measured" if ratio is None else "undecided (neither knee was reached)"
+    return ("at least " if ours else "at most " if peer else "") + f"{ratio:.2f}x"
 
 
 _NOT_RUN = "not measured (its error: in the figure)"
@@ -96,12 +100,5 @@ def _rate(rate: float | None, reached: bool = True) -> str:
     return f"{rate:g} requests/s" if reached else f"at least {rate:g} requests/s (its time ran out first)"
 
 
-PEER = " transformers'"  # what a ratio of the targets is taken over
-
-
-def _times(ratio: float | None, of: str = "") -> str:
-    return "not measured" if ratio is None else f"{ratio:.2f}x{of}"
-
-
-def _met(met: bool | None, undecided: str | None = None) -> str:
-    return (undecided or "not measured") if met is None else "met" if met else "missed"
+def _times(ratio: float | None) -> str:
+    return "not measured" if ratio is None else f"{ratio:.2f}x"

@@ -135,8 +135,8 @@ def batch_1_summary(results) -> str:
     return (f"batch 1: {engine['tokens_per_s']:,.0f} tokens/s, {engine['tokens_per_s'] / limit:.2f}x the "
             f"weight-read limit ({limit:,.0f} tokens/s)\n"
             f"one decode step: {ahead['decode_step_us']:,.0f} µs of wall time with asynchronous scheduling, "
-            f"{sync['decode_step_us']:,.0f} µs with the host waiting for each step's tokens; the step's GPU time "
-            f"alone: {gpu['us']:,.0f} µs")
+            f"{sync['decode_step_us']:,.0f} µs with the host\n"
+            f"  waiting for each step's tokens; the step's GPU time alone: {gpu['us']:,.0f} µs")
 
 
 def fused_decode_summary(results) -> str:
@@ -149,9 +149,9 @@ def fused_decode_summary(results) -> str:
     off, on = steps[False], steps[True]
     text = (f"batch-1 decode step, Features.fused_decode_layer off / on: {off['kernels_per_layer']} / "
             f"{on['kernels_per_layer']} kernels per layer")
-    if off["gpu_us"] is not None and on["gpu_us"] is not None:
-        text += (f"; GPU time per step {off['gpu_us']:,.0f} / {on['gpu_us']:,.0f} µs against a bytes-read limit of "
-                 f"{on['limit_us']:,.0f} µs ({off['fraction_of_limit']:.2f}x / {on['fraction_of_limit']:.2f}x of it)")
+    if off["gpu_us"] is not None and on["gpu_us"] is not None:  # a second line: printed lines stay under 100 wide
+        text += (f";\n  GPU time per step {off['gpu_us']:,.0f} / {on['gpu_us']:,.0f} µs against a bytes-read limit "
+                 f"of {on['limit_us']:,.0f} µs ({off['fraction_of_limit']:.2f}x / {on['fraction_of_limit']:.2f}x)")
     return text
 
 
