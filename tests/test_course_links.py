@@ -52,9 +52,10 @@ def test_each_notebook_opens_with_its_own_badges_and_installs_the_release(path):
     badge_links = links(first_markdown.source.split("\n")[0])
     assert [(link.get("colab_path") or link.get("binder_path")) for link in badge_links] == [relative, relative]
     setup = next(c for c in notebook.cells if c.cell_type == "code").source
+    assert setup == course_links.setup_cell(COURSE, path.name)
     assert f'"lessonlib @ git+{COURSE.repository}@{COURSE.tag}"' in setup
-    assert "torch" not in re.findall(r'"pip", "install", "-q",\s*"([^"]+)"', setup)[0].split("@")[0]
     assert ("install.set_up_vllm()" in setup) == (path.name == "06_vllm.ipynb")
+    assert len(setup.split("\n")) <= course_links.SETUP_LINES, setup
     every = links(path.read_text())
     assert every, "no links at all"
     for link in every:
@@ -123,3 +124,38 @@ def test_the_tested_stack_is_what_make_setup_installs():
     run = subprocess.run([sys.executable, "tools/course_links.py", "--tested", "colab_triton"], cwd=ROOT,
                          capture_output=True, text=True)
     assert run.stdout.strip() == COURSE.tested["colab_triton"], run.stderr
+
+
+def _run_setup_cell(name, monkeypatch, lessonlib_missing):
+    """Run a set-up cell as a kernel would, on a machine with or without lessonlib; pip is replaced by a recorder
+    (nothing is installed). Returns (what it printed, the pip commands it ran)."""
+    import contextlib
+    import importlib.util
+    import io
+    import subprocess as real_subprocess
+
+    find_spec, pip = importlib.util.find_spec, []
+    if lessonlib_missing:
+        monkeypatch.setattr(importlib.util, "find_spec",
+                            lambda name, *a: None if name == "lessonlib" else find_spec(name, *a))
+    monkeypatch.setattr(real_subprocess, "run", lambda command, **kw: pip.append(command))
+    monkeypatch.setattr(lessonlib.install, "set_up_vllm", lambda: print("(vLLM set up)"))
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(course_links.setup_cell(COURSE, name), {})
+    return printed.getvalue(), pip
+
+
+@pytest.mark.parametrize("name", ["00_setup_and_roofline.ipynb", "06_vllm.ipynb"])
+def test_the_setup_cell_installs_the_release_only_where_lessonlib_is_missing(name, monkeypatch):
+    """Colab (no lessonlib): pip installs the release tag, torch left unpinned. `make setup`, Binder, CI: nothing is
+    installed, and what the cell prints names no folder of the machine it ran on. Lesson 06 also sets up vLLM."""
+    printed, pip = _run_setup_cell(name, monkeypatch, lessonlib_missing=False)
+    assert pip == [], pip
+    assert "Mode: " in printed and ("(vLLM set up)" in printed) == (name == "06_vllm.ipynb"), printed
+    assert str(ROOT) not in printed and "/" not in printed, printed
+    printed, pip = _run_setup_cell(name, monkeypatch, lessonlib_missing=True)
+    assert len(pip) == 1 and pip[0][1:5] == ["-m", "pip", "install", "-q"], pip
+    requirement = pip[0][5]
+    assert requirement == f"lessonlib @ git+{COURSE.repository}@{COURSE.tag}"
+    assert "torch" not in requirement.split("@")[0]

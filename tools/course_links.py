@@ -7,8 +7,8 @@ everything that names it:
   and in the student copies (a student copy's badges open the student copy; ``make_student_notebooks.py`` asks
   :func:`badges` for them);
 * README.md's lesson table (its Colab, Binder and student-copy columns);
-* the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line and a comment in
-  each set-up cell. ``--tested KEY`` prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
+* the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line. ``--tested KEY``
+  prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
 
 Badges open the same tag the set-up cell installs, so a notebook always runs with the lessonlib it was written for.
 
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -109,49 +108,32 @@ def badges(course: Course, path: str) -> str:
             f"[![Binder]({BINDER_BADGE})]({course.binder(path)})")
 
 
-# The set-up cell. `$`-placeholders are filled by setup_cell(); the cell itself has no `$`.
+# The set-up cell a student sees first: short, and nothing in it or in what it prints names a machine. Where lessonlib
+# is missing (a fresh Colab runtime) pip installs the course's release tag; that keeps Colab's torch (lessonlib
+# leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and after
+# `make setup` lessonlib is already installed and the cell installs nothing and says nothing about it. The stacks
+# the course is tested on are in README.md, not here. `$`-placeholders are filled by setup_cell().
 SETUP = Template('''\
-# Set-up. Written by tools/course_links.py from pyproject.toml (`make relink`): edit there, not here.
-# Where lessonlib is missing (a fresh Colab runtime), pip installs the course's release $tag. It keeps Colab's torch
-# (lessonlib leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and
-# after `make setup`, lessonlib is already installed and nothing is.
-$tested
-import importlib
-import importlib.util
-import subprocess
-import sys
-
+# Set-up: where lessonlib (the course's helper package) is missing, as on Colab, pip installs its release $tag.
+import importlib.util, subprocess, sys
 if importlib.util.find_spec("lessonlib") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "$requirement"], check=True)
+    release = "lessonlib @ git+$repository@$tag"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", release], check=True)
     importlib.invalidate_caches()
-    print("lessonlib $version installed from $repository@$tag")
-else:
-    found = importlib.util.find_spec("lessonlib").submodule_search_locations[0]
-    print(f"lessonlib found at {found}, nothing installed")
-$extra
 import lessonlib
+$extra
+print(lessonlib.describe())  # where kernels run: a GPU, or Triton's interpreter on the CPU''')
 
-print(lessonlib.describe())  # decides the mode (GPU, or Triton's interpreter on CPU) before any kernel is defined''')
-
-# Lesson 06 also needs vLLM, installed before anything imports torch (see lessonlib/install.py).
-VLLM_SETUP = '''
-# Lesson 06 on a GPU: vLLM, before torch is imported (its install may replace Colab's torch). lessonlib.install
-# imports no torch; it prints what it did, and stops with RestartRuntime if torch was replaced after being loaded.
-from lessonlib import install
-
-install.set_up_vllm()
-'''
+# Lesson 06 also needs vLLM, installed before anything imports torch (lessonlib.install imports none; it prints what
+# it did, and stops with RestartRuntime if the install replaced a torch this process had already loaded).
+VLLM_SETUP = "lessonlib.install.set_up_vllm()  # vLLM, installed before torch is imported\n"
 NEEDS_VLLM = {"06_vllm.ipynb"}
+SETUP_LINES = 10  # at most, blank lines included: what a student reads before the lesson starts
 
 
 def setup_cell(course: Course, notebook_name: str) -> str:
-    tested = textwrap.fill(f"Tested with: {course.tested_with()}", width=118, initial_indent="# ",
-                           subsequent_indent="# ", break_on_hyphens=False)
-    return SETUP.substitute(
-        tested=tested, requirement=f"lessonlib @ git+{course.repository}@{course.tag}", repository=course.repository,
-        tag=course.tag, version=course.version, extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "",
-    )
+    return SETUP.substitute(repository=course.repository, tag=course.tag,
+                            extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "")
 
 
 def with_badges(notebook: nbformat.NotebookNode, course: Course, path: str) -> None:
@@ -168,7 +150,9 @@ def relink_notebook(notebook: nbformat.NotebookNode, course: Course, path: str) 
     notebook = nbformat.from_dict(notebook)
     with_badges(notebook, course, path)
     code = next(cell for cell in notebook.cells if cell.cell_type == "code")
-    code.source = setup_cell(course, Path(path).name)
+    source = setup_cell(course, Path(path).name)
+    if code.source != source:  # what the old cell printed is not what this one prints: the next run stores it
+        code.source, code.outputs = source, []
     return notebook
 
 
