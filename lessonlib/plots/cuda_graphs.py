@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from lessonlib.results import Impl, Op, Results
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 
 
 def decode_step_times(results: Results, ax=None):
     """One decoder layer's decode step: eager PyTorch, lessonlib's fused kernels, and the fused step replayed from
     a CUDA graph, at each batch size and context; the kernels per step written on each bar."""
-    fig, ax = figure(ax, (11, 4.4))
+    fig, ax = figure(ax, (WIDTH, 4.6))
     impls = {Impl.EAGER_STEP: IMPL_COLORS[Impl.EAGER], Impl.FUSED_STEP: IMPL_COLORS[Impl.LESSONLIB],
              Impl.FUSED_STEP_GRAPH: "#6a3d9a"}
     shapes = []

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lessonlib.results import Impl, Op, Results, is_sweep
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 
 
 def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, memory_bytes: float = 141e9,
@@ -38,7 +38,7 @@ def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int
 def online_softmax(trace: list[dict], step: int, exact: np.ndarray, ax=None):
     """One query row's online softmax after ``step`` tiles: running max and sum, and the output's first components
     converging to the exact attention output."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if ax is None else (ax[0].figure, ax)
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.4)) if ax is None else (ax[0].figure, ax)
     seen = [s["keys_seen"] for s in trace]
     shown = trace[: step + 1]
     axes[0].plot(seen[: step + 1], [s["m"] for s in shown], "o-", label="running max m")
@@ -111,7 +111,7 @@ FORWARD_BUDGET = (  # (impl of an Op.FORWARD_VARIANT record, label, colour)
 def forward_time_budget(results: Results, shape: dict, ax=None):
     """Where the forward's time goes, from one recorded run: the time its FLOPs take at the measured matmul rate, the
     benchmark's copies of lessonlib's loop changed one way at a time (``op=Op.FORWARD_VARIANT``), and cuDNN."""
-    fig, ax = figure(ax, (8.5, 4.4))
+    fig, ax = figure(ax, (WIDTH, 4.4))
     flops = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"]
     rows = [("its FLOPs at the measured\nmatmul rate (cuBLAS)", flops / (results.ceilings["matmul_tflops"] * 1e12) * 1e6,
              "#bdbdbd")]
@@ -142,7 +142,7 @@ def launch_bound_attention(results: Results, footnote: str | None = None):
 
     records = results.select(op=Op.LAUNCH_BOUND_ATTENTION)
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    fig, (times, cuts) = plt.subplots(1, 2, figsize=(12, 4.4))
+    fig, (times, cuts) = plt.subplots(1, 2, figsize=(WIDTH, 4.2))
     for impl in impls:
         rows = sorted((r for r in records if r["impl"] == impl and r["us"] is not None), key=lambda r: r["shape"]["T"])
         color = IMPL_COLORS.get(impl, "black")

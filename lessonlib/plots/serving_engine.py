@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 from lessonlib.results import Impl, Op, Results
 
 
@@ -17,7 +17,7 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
     and requests each get an axis of their own: drawn on one axis and its twin, nothing said which scale a line was
     read on. Returns the two axes."""
     if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
+        _, axes = plt.subplots(2, 1, figsize=(WIDTH, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
     blocks, queue = axes
     steps = [r.step for r in records]
     blocks.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", lw=1.5,
@@ -43,7 +43,7 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
 
 def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performance)"):
     """An engine run's steps (``LLM.steps``): time per step, prefill and decode coloured apart."""
-    _, ax = figure(ax, (10, 3))
+    _, ax = figure(ax, (WIDTH, 3))
     colors = ["tab:orange" if s.kind == "prefill" else "tab:blue" for s in steps]
     ax.bar(range(len(steps)), [1e3 * s.seconds for s in steps], color=colors)
     ax.set_xlabel("engine step (orange: prefill, blue: decode)")
@@ -65,7 +65,7 @@ def plot_recorded(results, axes=None):
     """The recorded GPU run: tokens/s of every peer at each batch size, and one decode step split into parts
     against the bytes-read limit."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+        _, axes = plt.subplots(1, 2, figsize=(WIDTH, 4.4))
     ladder, parts = axes
     _plot_tokens_per_s(results, ladder)
     _plot_step_parts(results, parts)
@@ -193,7 +193,7 @@ def plot_ladder(results, ax=None):
     if not rows:
         raise ValueError("this results file has no tokens/s ladder: run python benchmarks/bench_engine.py --out ...")
     if ax is None:
-        fig, (ax, steps) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+        fig, (ax, steps) = plt.subplots(1, 2, figsize=(WIDTH, 4.6), gridspec_kw={"width_ratios": [3, 2]})
     else:
         fig, steps = ax.figure, None
     x = range(len(rows))
@@ -260,7 +260,7 @@ def chunked_prefill_timeline(results: Results, footnote: str | None = None):
 
     rows = {r["impl"]: r for r in results.select(op=Op.STEP_TIMELINE)}
     modes = [m for m in (Impl.PREFILL_FIRST, Impl.CHUNKED_PREFILL) if m in rows]
-    fig, (steps_ax, gaps_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(1, 1.4))
+    fig, (steps_ax, gaps_ax) = plt.subplots(2, 1, figsize=(WIDTH, 6), sharex=True, height_ratios=(1, 1.4))
     end = max(s["end"] for mode in modes for s in rows[mode]["steps"])
     for y, mode in enumerate(reversed(modes)):
         rec = rows[mode]
