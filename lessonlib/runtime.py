@@ -363,6 +363,11 @@ def describe() -> str:
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
 
 
+# The widest line lessonlib prints: a cell's output in JupyterLab at 1280x800 (file browser open) holds 107 characters
+# of its 13 px monospace font; a longer line is broken at the edge, wherever that falls ("4|50 us").
+PRINT_WIDTH = 100
+
+
 def gpu_only(what: str, instead: str = "The recorded H200 results are shown instead.") -> bool:
     """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``) and
     return False.
@@ -372,7 +377,11 @@ def gpu_only(what: str, instead: str = "The recorded H200 results are shown inst
     """
     if on_gpu():
         return True
-    print(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip())
+    import textwrap
+
+    # at most PRINT_WIDTH characters a line: a longer one wraps in JupyterLab's output, anywhere, inside a number too
+    print(textwrap.fill(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip(),
+                        PRINT_WIDTH, break_long_words=False, break_on_hyphens=False))
     return False
 
 
