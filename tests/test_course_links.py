@@ -53,9 +53,10 @@ def test_each_notebook_opens_with_its_own_badges_and_installs_the_release(path):
     assert [(link.get("colab_path") or link.get("binder_path")) for link in badge_links] == [relative, relative]
     setup = next(c for c in notebook.cells if c.cell_type == "code").source
     assert setup == course_links.setup_cell(COURSE, path.name)
-    assert f'"lessonlib @ git+{COURSE.repository}@{COURSE.tag}"' in setup
+    assert f'"git+{COURSE.repository}@{COURSE.tag}"' in setup
     assert ("install.set_up_vllm()" in setup) == (path.name == "06_vllm.ipynb")
     assert len(setup.split("\n")) <= course_links.SETUP_LINES, setup
+    assert max(len(line) for line in setup.split("\n")) <= course_links.SETUP_WIDTH, setup
     every = links(path.read_text())
     assert every, "no links at all"
     for link in every:
@@ -157,5 +158,5 @@ def test_the_setup_cell_installs_the_release_only_where_lessonlib_is_missing(nam
     printed, pip = _run_setup_cell(name, monkeypatch, lessonlib_missing=True)
     assert len(pip) == 1 and pip[0][1:5] == ["-m", "pip", "install", "-q"], pip
     requirement = pip[0][5]
-    assert requirement == f"lessonlib @ git+{COURSE.repository}@{COURSE.tag}"
+    assert requirement == f"git+{COURSE.repository}@{COURSE.tag}"
     assert "torch" not in requirement.split("@")[0]

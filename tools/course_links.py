@@ -114,10 +114,10 @@ def badges(course: Course, path: str) -> str:
 # `make setup` lessonlib is already installed and the cell installs nothing and says nothing about it. The stacks
 # the course is tested on are in README.md, not here. `$`-placeholders are filled by setup_cell().
 SETUP = Template('''\
-# Set-up: where lessonlib (the course's helper package) is missing, as on Colab, pip installs its release $tag.
+# Set-up: installs lessonlib, the course's helper package, where it is missing (as on Colab).
 import importlib.util, subprocess, sys
 if importlib.util.find_spec("lessonlib") is None:
-    release = "lessonlib @ git+$repository@$tag"
+    release = "git+$repository@$tag"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", release], check=True)
     importlib.invalidate_caches()
 import lessonlib
@@ -129,6 +129,7 @@ print(lessonlib.describe())  # where kernels run: a GPU, or Triton's interpreter
 VLLM_SETUP = "lessonlib.install.set_up_vllm()  # vLLM, installed before torch is imported\n"
 NEEDS_VLLM = {"06_vllm.ipynb"}
 SETUP_LINES = 10  # at most, blank lines included: what a student reads before the lesson starts
+SETUP_WIDTH = 100  # characters a line at most: JupyterLab's editor at 1280 px shows 107 and cuts the rest
 
 
 def setup_cell(course: Course, notebook_name: str) -> str:
