@@ -6,7 +6,8 @@ everything that names it:
 * the Colab and Binder badges on the first line of each notebook's first markdown cell, in the instructor notebooks
   and in the student copies (a student copy's badges open the student copy; ``make_student_notebooks.py`` asks
   :func:`badges` for them);
-* README.md's lesson table (its Colab, Binder and student-copy columns);
+* README.md's lesson table (each lesson's student copy first, with its Colab and Binder badges, then the instructor
+  copy) and the appendix's line under it;
 * the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line. ``--tested KEY``
   prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
 
@@ -166,31 +167,48 @@ def render_notebook(path: Path, course: Course) -> str:
     return nbformat.writes(notebook) + "\n"
 
 
-TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$",
+# A lesson row: its number and its title's link, to the student copy (or, in an older README, the instructor copy).
+TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| \[(?P<title>[^\n]*?)\]\((?P<path>notebooks/(?:student/)?[^)\s/]+\.ipynb)\) \|.*$",
                        re.M)
-TABLE_HEADER = "| # | Notebook | Colab | Binder | Student copy (Colab) |"
+TABLE_HEADER = "| # | Lesson: your copy, with the exercises to do | Colab | Binder | Instructor copy (solutions, outputs) |"
 TESTED_LINE = re.compile(r"^\*\*Tested with\.\*\* .*$", re.M)
+APPENDIX = NOTEBOOKS / "appendix_measurements.ipynb"
+APPENDIX_LINE = re.compile(r"^\*\*Appendix\.\*\* .*$", re.M)
+
+
+def appendix_line(course: Course) -> str:
+    """The line under the table for the appendix: no exercises, so no student copy; it opens the notebook itself."""
+    path = APPENDIX.relative_to(ROOT).as_posix()
+    return (f"**Appendix.** [Measured results]({path}): how the lessons' GPU numbers were measured and the variants "
+            f"tried, with the recorded runs; no exercises. [Colab]({course.colab(path)}) · "
+            f"[Binder]({course.binder(path)}); in `make lab` it is one folder up (`make lab NOTEBOOKS=notebooks`).")
 
 
 def render_readme(text: str, course: Course) -> str:
-    """README.md with every lesson row's Colab, Binder and student-copy cells written from ``course``."""
+    """README.md with every lesson row written from ``course``: the title opens the student copy (the one a student
+    works in), then its Colab and Binder badges, then the instructor copy; and the appendix's line under the table."""
     def row(match: re.Match) -> str:
-        path = match["path"]
-        student = f"notebooks/student/{Path(path).name}"
-        return (f"| {match['number']} | {match['title']} | [![Open In Colab]({COLAB_BADGE})]({course.colab(path)}) | "
-                f"[![Binder]({BINDER_BADGE})]({course.binder(path)}) | "
-                f"[![Open In Colab]({COLAB_BADGE})]({course.colab(student)}) |")
+        name = Path(match["path"]).name
+        student, instructor = f"notebooks/student/{name}", f"notebooks/{name}"
+        return (f"| {match['number']} | [{match['title']}]({student}) | "
+                f"[![Open In Colab]({COLAB_BADGE})]({course.colab(student)}) | "
+                f"[![Binder]({BINDER_BADGE})]({course.binder(student)}) | "
+                f"[notebook]({instructor}) · [Colab]({course.colab(instructor)}) |")
 
-    rows = {m["path"] for m in TABLE_ROW.finditer(text)}
-    missing = [p.relative_to(ROOT).as_posix() for p in instructor_notebooks()]
-    missing = [p for p in missing if p not in rows]
+    rows = {Path(m["path"]).name for m in TABLE_ROW.finditer(text)}
+    missing = [p.relative_to(ROOT).as_posix() for p in instructor_notebooks() if p.name not in rows]
     if missing:
         raise ValueError(f"README.md's lesson table has no row for {missing}: add `| NN | [title](path) |` rows")
-    text = re.sub(r"^\| # \| Notebook \|.*$", TABLE_HEADER, text, count=1, flags=re.M)
+    text = re.sub(r"^\| # \| (?:Notebook|Lesson)\b.*$", TABLE_HEADER, text, count=1, flags=re.M)
     if not TESTED_LINE.search(text):
         raise ValueError("README.md has no `**Tested with.** ...` line for the tested stacks")
     text = TESTED_LINE.sub(lambda _: f"**Tested with.** {course.tested_with()}", text, count=1)
-    return TABLE_ROW.sub(row, text)
+    text = TABLE_ROW.sub(row, text)
+    text = APPENDIX_LINE.sub("", text).replace("\n\n\n\n", "\n\n")  # written again below, after the last row
+    if APPENDIX.exists():
+        last = list(TABLE_ROW.finditer(text))[-1]
+        text = text[:last.end()] + "\n\n" + appendix_line(course) + text[last.end():]
+    return text
 
 
 def expected_files(course: Course) -> dict[Path, str]:
