@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import textwrap
 from pathlib import Path
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -37,6 +38,7 @@ from functools import lru_cache
 import torch
 
 MODES = ("gpu", "interpreter", "compile")
+PRINT_WIDTH = 100  # the widest line to print: JupyterLab's output at 1280 px holds 107, then breaks lines anywhere
 
 
 @lru_cache(maxsize=None)
@@ -363,25 +365,16 @@ def describe() -> str:
     return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
 
 
-# The widest line lessonlib prints: a cell's output in JupyterLab at 1280x800 (file browser open) holds 107 characters
-# of its 13 px monospace font; a longer line is broken at the edge, wherever that falls ("4|50 us").
-PRINT_WIDTH = 100
-
-
 def gpu_only(what: str, instead: str = "The recorded H200 results are shown instead.") -> bool:
-    """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``) and
-    return False.
+    """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``, in lines
+    of at most PRINT_WIDTH) and return False.
 
     >>> if gpu_only("live timing of swiglu"):
     ...     ...  # measure
     """
     if on_gpu():
         return True
-    import textwrap
-
-    # at most PRINT_WIDTH characters a line: a longer one wraps in JupyterLab's output, anywhere, inside a number too
-    print(textwrap.fill(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip(),
-                        PRINT_WIDTH, break_long_words=False, break_on_hyphens=False))
+    print(textwrap.fill(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip(), PRINT_WIDTH))
     return False
 
 
