@@ -38,7 +38,7 @@ def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, 
 
 def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, block_size: int):
     """Left: how long the requests are. Right: KV memory used vs held by paged blocks vs reserved as slabs."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.6), gridspec_kw={"width_ratios": [1.2, 1]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.8), gridspec_kw={"width_ratios": [1.1, 1]})
     left.hist(np.asarray(lengths), bins=40, color="#9ecae1")
     left.axvline(max_len, color=IMPL_COLORS[Impl.EAGER], ls="--")
     left.text(max_len, left.get_ylim()[1] * 0.9, f" max_len {max_len:,}", color=IMPL_COLORS[Impl.EAGER], fontsize=8,
@@ -48,7 +48,7 @@ def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, blo
     left.set_title(f"{len(lengths)} requests, median {int(np.median(np.asarray(lengths))):,} tokens", fontsize=10)
     gb = [t * bytes_per_token / 1e9 for t in (reservation.used_tokens, reservation.paged_tokens,
                                               reservation.contiguous_tokens)]
-    labels = ["used\n(every token's K, V)", f"paged\n(blocks of {block_size})", f"contiguous\n(slab of {max_len:,})"]
+    labels = ["used\n(every\ntoken's K, V)", f"paged\n(blocks\nof {block_size})", f"contiguous\n(slab of\n{max_len:,})"]
     bars = right.bar(labels, gb, color=["#74c476", IMPL_COLORS[Impl.LESSONLIB], IMPL_COLORS[Impl.EAGER]])
     for bar, value, waste in zip(bars, gb, (0.0, reservation.paged_waste, reservation.contiguous_waste)):
         right.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.1f} GB\n{waste:.0%} unused", ha="center",
