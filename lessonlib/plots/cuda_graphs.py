@@ -32,9 +32,9 @@ def decode_step_times(results: Results, ax=None):
 
     def kernels(b, c):
         counts = [results.one(op=Op.DECODE_STEP, impl=impl, B=b, context=c).get("launches") for impl in impls]
-        return "" if None in counts else "\nkernels " + " / ".join(map(str, counts))
+        return "" if None in counts else "\nkernels " + "/".join(map(str, counts))
 
-    ax.set_xticks(range(len(shapes)), [f"B={b}, context {c:,}{kernels(b, c)}" for b, c in shapes], fontsize=8)
+    ax.set_xticks(range(len(shapes)), [f"B={b}\ncontext {c:,}{kernels(b, c)}" for b, c in shapes], fontsize=8)
     ax.set_ylabel("µs per decode step (log)")
     ax.set_title("One decoder layer's decode step (hidden 4096, 32/8 heads, D=128): µs per step", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", ncol=3)
