@@ -134,15 +134,16 @@ def forward_time_budget(results: Results, shape: dict, ax=None):
 
 
 def launch_bound_attention(results: Results, footnote: str | None = None):
-    """Attention at tiny T (``lessonlib.cases.attention_launches``): left, time per call of each implementation,
+    """Attention at tiny T (``lessonlib.cases.attention_launches``): above, time per call of each implementation,
     back to back (solid, launches included) and replayed from a CUDA graph (dashed, the GPU's work alone), each
-    labelled with the kernels one call launches; right, the time cut by fusion, 1 - fused / eager, with the news
+    labelled with the kernels one call launches; below, the time cut by fusion, 1 - fused / eager, with the news
     item's 70% as a line. ``footnote``: the provenance (default: the results file's)."""
     from lessonlib.cases.attention_launches import time_cuts
 
     records = results.select(op=Op.LAUNCH_BOUND_ATTENTION)
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    fig, (times, cuts) = plt.subplots(1, 2, figsize=(WIDTH, 4.2))
+    # stacked, the legends right of the axes: side by side at the output's width, they covered the curves
+    fig, (times, cuts) = plt.subplots(2, 1, figsize=(WIDTH, 7.6))
     for impl in impls:
         rows = sorted((r for r in records if r["impl"] == impl and r["us"] is not None), key=lambda r: r["shape"]["T"])
         color = IMPL_COLORS.get(impl, "black")
@@ -163,14 +164,14 @@ def launch_bound_attention(results: Results, footnote: str | None = None):
     times.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="µs per call")
     shape = records[0]["shape"]
     times.set_title(f"B={shape['B']}, H={shape['H']}, D={shape['D']}, causal: time per call", fontsize=10)
-    times.legend(fontsize=7, loc="upper left")
+    times.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     cuts.axhline(70, color="black", ls=":", lw=1.2, label="the news item: up to 70%")
     cuts.set(xscale="log", xlabel="sequence length T", ylabel="time cut by fusion, % (1 - fused / eager)")
     cuts.set_title("what one fused launch saves over eager's five kernels", fontsize=10)
-    cuts.legend(fontsize=7, loc="lower left")
+    cuts.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     lengths = sorted({r["shape"]["T"] for r in records})
     for ax in (times, cuts):
         ax.grid(True, which="both", alpha=0.2)
         plain_log_ticks(ax)
         ax.set_xticks(lengths, [str(t) for t in lengths])
-    return finish(fig, footnote or results.provenance(), bottom=0.08)
+    return finish(fig, footnote or results.provenance(), bottom=0.05)
