@@ -3,6 +3,7 @@ saves for it (bbox_inches="tight", as the inline backend and FigureView save) is
 shown at its natural size, and no text is under MIN_FONT points. Integer axes are ticked at integers."""
 
 import io
+from pathlib import Path
 
 import matplotlib
 import pytest
@@ -48,3 +49,26 @@ def test_integer_ticks_label_whole_numbers_only():
     labels = [t.get_text() for t in ax.get_xticklabels() + ax.get_yticklabels() if t.get_text()]
     assert labels and all(label.lstrip("−-").isdigit() for label in labels), labels
     plt.close(fig)
+
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_stored_figure_fits_the_output(path):
+    """The figures a lesson's stored outputs hold (the instructor copies, the appendix): each PNG at most OUTPUT_PX
+    wide (or the width its metadata asks for, for a hi-dpi one), so JupyterLab shows it whole. Reads JSON only."""
+    import base64
+
+    import nbformat
+
+    wide = []
+    for number, cell in enumerate(nbformat.read(path, as_version=4).cells):
+        for output in cell.get("outputs", []):
+            if "image/png" not in output.get("data", {}):
+                continue
+            width = Image.open(io.BytesIO(base64.b64decode(output["data"]["image/png"]))).size[0]
+            width = output.get("metadata", {}).get("image/png", {}).get("width", width)
+            if width > OUTPUT_PX:
+                wide.append(f"cell {number} ({cell.get('id', '?')}): {width} px")
+    assert not wide, f"{path.name}: figures wider than {OUTPUT_PX} px, shown scaled down:\n" + "\n".join(wide)
