@@ -184,16 +184,17 @@ def ladder_provenance(results) -> str:
 
 
 def plot_ladder(results, ax=None):
-    """The recorded tokens/s ladder. Left: one bar per rung, the median run's tokens/s, its whisker the slowest to
+    """The recorded tokens/s ladder. Above: one bar per rung, the median run's tokens/s, its whisker the slowest to
     the fastest run, labelled with its gain over the rung below and whether that gain stands above the spread; a
-    black diamond at the tokens/s the GPU's kernel time alone would give. Right (without ``ax``): time per step,
+    black diamond at the tokens/s the GPU's kernel time alone would give. Below (without ``ax``): time per step,
     wall (median run) against the GPU's kernel time. Log scales: the rungs span orders of magnitude. Returns the
     tokens/s axis."""
     rows = ladder_records(results)
     if not rows:
         raise ValueError("this results file has no tokens/s ladder: run python benchmarks/bench_engine.py --out ...")
     if ax is None:
-        fig, (ax, steps) = plt.subplots(1, 2, figsize=(WIDTH, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+        # stacked: side by side at the output's width, the rungs' labels ran into each other
+        fig, (ax, steps) = plt.subplots(2, 1, figsize=(WIDTH, 10), gridspec_kw={"height_ratios": [3, 2]})
     else:
         fig, steps = ax.figure, None
     x = range(len(rows))
@@ -215,14 +216,14 @@ def plot_ladder(results, ax=None):
     ax.set_ylim(top=max(values + [g for _, g in gpu]) * 30)  # room for the labels and the legend
     ax.set_ylabel("output tokens/s (log scale)")
     s = rows[0]["shape"]
-    ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats, {s['prompt']}-token prompts, "
+    ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats,\n{s['prompt']}-token prompts, "
                  f"{s['max_tokens_low']}-{s['max_tokens_high']} new tokens each", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     plain_log_ticks(ax)
     if steps is not None:
         plot_ladder_steps(rows, steps)
         plain_log_ticks(steps)
-    finish(fig, ladder_provenance(results), bottom=0.07)
+    finish(fig, ladder_provenance(results), bottom=0.04)
     return ax
 
 
