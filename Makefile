@@ -16,9 +16,12 @@ setup:
 # A student's lab: the student copies, exercises unsolved. The instructor versions (solutions, stored outputs):
 #   make lab NOTEBOOKS=notebooks
 # As root (containers, CI machines) JupyterLab refuses to start without --allow-root.
+# tools/lab/ comes first on JUPYTER_CONFIG_PATH: it hides nbgrader's authoring menus and JupyterLab's news pop-up
+# (tools/lab/README.md says what and why); your own Jupyter configuration still applies.
 NOTEBOOKS ?= notebooks/student
 lab:
-	$(BIN)/jupyter lab $(NOTEBOOKS) $(if $(filter 0,$(shell id -u)),--allow-root)
+	JUPYTER_CONFIG_PATH="$(CURDIR)/tools/lab$${JUPYTER_CONFIG_PATH:+:$$JUPYTER_CONFIG_PATH}" \
+	    $(BIN)/jupyter lab $(NOTEBOOKS) $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Every test, then every course notebook top to bottom under nbval (cells marked NBVAL_CHECK_OUTPUT compared);
 # the 25 slowest listed at the end (CI time).

@@ -30,6 +30,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import textwrap
 from pathlib import Path
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -37,6 +38,7 @@ from functools import lru_cache
 import torch
 
 MODES = ("gpu", "interpreter", "compile")
+PRINT_WIDTH = 100  # the widest line to print: JupyterLab's output at 1280 px holds 107, then breaks lines anywhere
 
 
 @lru_cache(maxsize=None)
@@ -364,17 +366,15 @@ def describe() -> str:
 
 
 def gpu_only(what: str, instead: str = "The recorded H200 results are shown instead.") -> bool:
-    """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``) and
-    return False.
+    """True on a GPU; on CPU print why a GPU-only step is skipped (and what the notebook shows ``instead``, in lines
+    of at most PRINT_WIDTH) and return False.
 
     >>> if gpu_only("live timing of swiglu"):
     ...     ...  # measure
     """
     if on_gpu():
         return True
-    said = f"[GPU only] {what}: skipped here (no GPU, Triton interpreter)."
-    # One line where it fits in 100 characters (a notebook's width at 1280 pixels), else ``instead`` on its own line
-    print(said if not instead else f"{said} {instead}" if len(said) + len(instead) < 100 else f"{said}\n{instead}")
+    print(textwrap.fill(f"[GPU only] {what}: skipped here (no GPU, Triton interpreter). {instead}".rstrip(), PRINT_WIDTH))
     return False
 
 

@@ -6,9 +6,10 @@ everything that names it:
 * the Colab and Binder badges on the first line of each notebook's first markdown cell, in the instructor notebooks
   and in the student copies (a student copy's badges open the student copy; ``make_student_notebooks.py`` asks
   :func:`badges` for them);
-* README.md's lesson table (its Colab, Binder and student-copy columns);
-* the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line and a comment in
-  each set-up cell. ``--tested KEY`` prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
+* README.md's lesson table (each lesson's student copy first, with its Colab and Binder badges, then the instructor
+  copy) and the appendix's line under it;
+* the stacks the course is tested on (``[tool.course.tested]``): README.md's "Tested with" line. ``--tested KEY``
+  prints one of them (``tools/setup.sh`` reads ``colab_triton`` so).
 
 Badges open the same tag the set-up cell installs, so a notebook always runs with the lessonlib it was written for.
 
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 from string import Template
@@ -109,49 +109,33 @@ def badges(course: Course, path: str) -> str:
             f"[![Binder]({BINDER_BADGE})]({course.binder(path)})")
 
 
-# The set-up cell. `$`-placeholders are filled by setup_cell(); the cell itself has no `$`.
+# The set-up cell a student sees first: short, and nothing in it or in what it prints names a machine. Where lessonlib
+# is missing (a fresh Colab runtime) pip installs the course's release tag; that keeps Colab's torch (lessonlib
+# leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and after
+# `make setup` lessonlib is already installed and the cell installs nothing and says nothing about it. The stacks
+# the course is tested on are in README.md, not here. `$`-placeholders are filled by setup_cell().
 SETUP = Template('''\
-# Set-up. Written by tools/course_links.py from pyproject.toml (`make relink`): edit there, not here.
-# Where lessonlib is missing (a fresh Colab runtime), pip installs the course's release $tag. It keeps Colab's torch
-# (lessonlib leaves torch unpinned) and Colab's ipywidgets 7.7 (lessonlib accepts >=7.7). On Binder, in CI and
-# after `make setup`, lessonlib is already installed and nothing is.
-$tested
-import importlib
-import importlib.util
-import subprocess
-import sys
-
+# Set-up: installs lessonlib, the course's helper package, where it is missing (as on Colab).
+import importlib.util, subprocess, sys
 if importlib.util.find_spec("lessonlib") is None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q",
-                    "$requirement"], check=True)
+    release = "git+$repository@$tag"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", release], check=True)
     importlib.invalidate_caches()
-    print("lessonlib $version installed from $repository@$tag")
-else:
-    found = importlib.util.find_spec("lessonlib").submodule_search_locations[0]
-    print(f"lessonlib found at {found}, nothing installed")
-$extra
 import lessonlib
+$extra
+print(lessonlib.describe())  # where kernels run: a GPU, or Triton's interpreter on the CPU''')
 
-print(lessonlib.describe())  # decides the mode (GPU, or Triton's interpreter on CPU) before any kernel is defined''')
-
-# Lesson 06 also needs vLLM, installed before anything imports torch (see lessonlib/install.py).
-VLLM_SETUP = '''
-# Lesson 06 on a GPU: vLLM, before torch is imported (its install may replace Colab's torch). lessonlib.install
-# imports no torch; it prints what it did, and stops with RestartRuntime if torch was replaced after being loaded.
-from lessonlib import install
-
-install.set_up_vllm()
-'''
+# Lesson 06 also needs vLLM, installed before anything imports torch (lessonlib.install imports none; it prints what
+# it did, and stops with RestartRuntime if the install replaced a torch this process had already loaded).
+VLLM_SETUP = "lessonlib.install.set_up_vllm()  # vLLM, installed before torch is imported\n"
 NEEDS_VLLM = {"06_vllm.ipynb"}
+SETUP_LINES = 10  # at most, blank lines included: what a student reads before the lesson starts
+SETUP_WIDTH = 100  # characters a line at most: JupyterLab's editor at 1280 px shows 107 and cuts the rest
 
 
 def setup_cell(course: Course, notebook_name: str) -> str:
-    tested = textwrap.fill(f"Tested with: {course.tested_with()}", width=118, initial_indent="# ",
-                           subsequent_indent="# ", break_on_hyphens=False)
-    return SETUP.substitute(
-        tested=tested, requirement=f"lessonlib @ git+{course.repository}@{course.tag}", repository=course.repository,
-        tag=course.tag, version=course.version, extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "",
-    )
+    return SETUP.substitute(repository=course.repository, tag=course.tag,
+                            extra=VLLM_SETUP if notebook_name in NEEDS_VLLM else "")
 
 
 def with_badges(notebook: nbformat.NotebookNode, course: Course, path: str) -> None:
@@ -168,7 +152,9 @@ def relink_notebook(notebook: nbformat.NotebookNode, course: Course, path: str) 
     notebook = nbformat.from_dict(notebook)
     with_badges(notebook, course, path)
     code = next(cell for cell in notebook.cells if cell.cell_type == "code")
-    code.source = setup_cell(course, Path(path).name)
+    source = setup_cell(course, Path(path).name)
+    if code.source != source:  # what the old cell printed is not what this one prints: the next run stores it
+        code.source, code.outputs = source, []
     return notebook
 
 
@@ -181,31 +167,48 @@ def render_notebook(path: Path, course: Course) -> str:
     return nbformat.writes(notebook) + "\n"
 
 
-TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| (?P<title>\[[^\n]*?\]\((?P<path>notebooks/[^)\s]+\.ipynb)\)) \|.*$",
+# A lesson row: its number and its title's link, to the student copy (or, in an older README, the instructor copy).
+TABLE_ROW = re.compile(r"^\| (?P<number>\d\d) \| \[(?P<title>[^\n]*?)\]\((?P<path>notebooks/(?:student/)?[^)\s/]+\.ipynb)\) \|.*$",
                        re.M)
-TABLE_HEADER = "| # | Notebook | Colab | Binder | Student copy (Colab) |"
+TABLE_HEADER = "| # | Lesson: your copy, with the exercises to do | Colab | Binder | Instructor copy (solutions, outputs) |"
 TESTED_LINE = re.compile(r"^\*\*Tested with\.\*\* .*$", re.M)
+APPENDIX = NOTEBOOKS / "appendix_measurements.ipynb"
+APPENDIX_LINE = re.compile(r"^\*\*Appendix\.\*\* .*$", re.M)
+
+
+def appendix_line(course: Course) -> str:
+    """The line under the table for the appendix: no exercises, so no student copy; it opens the notebook itself."""
+    path = APPENDIX.relative_to(ROOT).as_posix()
+    return (f"**Appendix.** [Measured results]({path}): how the lessons' GPU numbers were measured and the variants "
+            f"tried, with the recorded runs; no exercises. [Colab]({course.colab(path)}) · "
+            f"[Binder]({course.binder(path)}); in `make lab` it is one folder up (`make lab NOTEBOOKS=notebooks`).")
 
 
 def render_readme(text: str, course: Course) -> str:
-    """README.md with every lesson row's Colab, Binder and student-copy cells written from ``course``."""
+    """README.md with every lesson row written from ``course``: the title opens the student copy (the one a student
+    works in), then its Colab and Binder badges, then the instructor copy; and the appendix's line under the table."""
     def row(match: re.Match) -> str:
-        path = match["path"]
-        student = f"notebooks/student/{Path(path).name}"
-        return (f"| {match['number']} | {match['title']} | [![Open In Colab]({COLAB_BADGE})]({course.colab(path)}) | "
-                f"[![Binder]({BINDER_BADGE})]({course.binder(path)}) | "
-                f"[![Open In Colab]({COLAB_BADGE})]({course.colab(student)}) |")
+        name = Path(match["path"]).name
+        student, instructor = f"notebooks/student/{name}", f"notebooks/{name}"
+        return (f"| {match['number']} | [{match['title']}]({student}) | "
+                f"[![Open In Colab]({COLAB_BADGE})]({course.colab(student)}) | "
+                f"[![Binder]({BINDER_BADGE})]({course.binder(student)}) | "
+                f"[notebook]({instructor}) · [Colab]({course.colab(instructor)}) |")
 
-    rows = {m["path"] for m in TABLE_ROW.finditer(text)}
-    missing = [p.relative_to(ROOT).as_posix() for p in instructor_notebooks()]
-    missing = [p for p in missing if p not in rows]
+    rows = {Path(m["path"]).name for m in TABLE_ROW.finditer(text)}
+    missing = [p.relative_to(ROOT).as_posix() for p in instructor_notebooks() if p.name not in rows]
     if missing:
         raise ValueError(f"README.md's lesson table has no row for {missing}: add `| NN | [title](path) |` rows")
-    text = re.sub(r"^\| # \| Notebook \|.*$", TABLE_HEADER, text, count=1, flags=re.M)
+    text = re.sub(r"^\| # \| (?:Notebook|Lesson)\b.*$", TABLE_HEADER, text, count=1, flags=re.M)
     if not TESTED_LINE.search(text):
         raise ValueError("README.md has no `**Tested with.** ...` line for the tested stacks")
     text = TESTED_LINE.sub(lambda _: f"**Tested with.** {course.tested_with()}", text, count=1)
-    return TABLE_ROW.sub(row, text)
+    text = TABLE_ROW.sub(row, text)
+    text = APPENDIX_LINE.sub("", text).replace("\n\n\n\n", "\n\n")  # written again below, after the last row
+    if APPENDIX.exists():
+        last = list(TABLE_ROW.finditer(text))[-1]
+        text = text[:last.end()] + "\n\n" + appendix_line(course) + text[last.end():]
+    return text
 
 
 def expected_files(course: Course) -> dict[Path, str]:

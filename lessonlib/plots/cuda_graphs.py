@@ -5,13 +5,13 @@ from __future__ import annotations
 import numpy as np
 
 from lessonlib.results import Impl, Op, Results
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 
 
 def decode_step_times(results: Results, ax=None):
     """One decoder layer's decode step: eager PyTorch, lessonlib's fused kernels, and the fused step replayed from
     a CUDA graph, at each batch size and context; the kernels per step written on each bar."""
-    fig, ax = figure(ax, (11, 4.4))
+    fig, ax = figure(ax, (WIDTH, 4.6))
     impls = {Impl.EAGER_STEP: IMPL_COLORS[Impl.EAGER], Impl.FUSED_STEP: IMPL_COLORS[Impl.LESSONLIB],
              Impl.FUSED_STEP_GRAPH: "#6a3d9a"}
     shapes = []
@@ -32,9 +32,9 @@ def decode_step_times(results: Results, ax=None):
 
     def kernels(b, c):
         counts = [results.one(op=Op.DECODE_STEP, impl=impl, B=b, context=c).get("launches") for impl in impls]
-        return "" if None in counts else "\nkernels " + " / ".join(map(str, counts))
+        return "" if None in counts else "\nkernels " + "/".join(map(str, counts))
 
-    ax.set_xticks(range(len(shapes)), [f"B={b}, context {c:,}{kernels(b, c)}" for b, c in shapes], fontsize=8)
+    ax.set_xticks(range(len(shapes)), [f"B={b}\ncontext {c:,}{kernels(b, c)}" for b, c in shapes], fontsize=8)
     ax.set_ylabel("µs per decode step (log)")
     ax.set_title("One decoder layer's decode step (hidden 4096, 32/8 heads, D=128): µs per step", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", ncol=3)

@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lessonlib.results import Impl, Op, Results, is_sweep
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 
 
 def score_bytes(tokens: int, heads: int = 32, head_dim: int = 128, itemsize: int = 2, memory_bytes: float = 141e9,
@@ -39,7 +39,7 @@ def online_softmax(trace: list[dict], tiles: int, exact: np.ndarray, ax=None):
     """One query row's online softmax after its first ``tiles`` tiles: running max and sum, and the output's first
     components converging to the exact attention output. The components are shades of one colour: they are parts of
     one output, not implementations (green, red, ... name implementations in lesson 02's figures)."""
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6)) if ax is None else (ax[0].figure, ax)
+    fig, axes = plt.subplots(1, 2, figsize=(WIDTH, 3.4)) if ax is None else (ax[0].figure, ax)
     seen = [s["keys_seen"] for s in trace]
     shown = trace[:tiles]
     axes[0].plot(seen[:tiles], [s["m"] for s in shown], "o-", color="#252525", label="running max m")
@@ -114,7 +114,7 @@ FORWARD_BUDGET = (  # (impl of an Op.FORWARD_VARIANT record, label, colour)
 def forward_time_budget(results: Results, shape: dict, ax=None):
     """Where the forward's time goes, from one recorded run: the time its FLOPs take at the measured matmul rate, the
     benchmark's copies of lessonlib's loop changed one way at a time (``op=Op.FORWARD_VARIANT``), and cuDNN."""
-    fig, ax = figure(ax, (8.5, 4.4))
+    fig, ax = figure(ax, (WIDTH, 4.4))
     flops = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"]
     rows = [("its FLOPs at the measured\nmatmul rate (cuBLAS)", flops / (results.ceilings["matmul_tflops"] * 1e12) * 1e6,
              "#bdbdbd")]
@@ -137,15 +137,17 @@ def forward_time_budget(results: Results, shape: dict, ax=None):
 
 
 def launch_bound_attention(results: Results, footnote: str | None = None):
-    """Attention at tiny T (``lessonlib.cases.attention_launches``): left, time per call of each implementation,
+    """Attention at tiny T (``lessonlib.cases.attention_launches``): above, time per call of each implementation,
     back to back (solid, launches included) and replayed from a CUDA graph (dashed, the GPU's work alone), each
-    labelled with the kernels one call launches, read from the records (SDPA's count changes with T); right, the time cut by fusion, 1 - fused / eager, with the news
+    labelled with the kernels one call launches, read from the records (SDPA's count changes with T); below, the
+    time cut by fusion, 1 - fused / eager, with the news
     item's 70% as a line. ``footnote``: the provenance (default: the results file's)."""
     from lessonlib.cases.attention_launches import launch_counts, launches_text, time_cuts
 
     records = results.select(op=Op.LAUNCH_BOUND_ATTENTION)
     impls = list(dict.fromkeys(r["impl"] for r in records))
-    fig, (times, cuts) = plt.subplots(1, 2, figsize=(12, 4.4))
+    # stacked, the legends right of the axes: side by side at the output's width, they covered the curves
+    fig, (times, cuts) = plt.subplots(2, 1, figsize=(WIDTH, 7.6))
     for impl in impls:
         rows = sorted((r for r in records if r["impl"] == impl and r["us"] is not None), key=lambda r: r["shape"]["T"])
         color = IMPL_COLORS.get(impl, "black")
@@ -166,15 +168,15 @@ def launch_bound_attention(results: Results, footnote: str | None = None):
     times.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="µs per call")
     shape = records[0]["shape"]
     times.set_title(f"B={shape['B']}, H={shape['H']}, D={shape['D']}, causal: time per call", fontsize=10)
-    times.legend(fontsize=7, loc="upper left")
+    times.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     cuts.axhline(70, color="black", ls=":", lw=1.2, label="the news item: up to 70%")
     cuts.set(xscale="log", xlabel="sequence length T", ylabel="time cut by fusion, % (1 - fused / eager)")
     eager = launches_text(launch_counts(results, Impl.EAGER_ATTENTION))
     cuts.set_title(f"what fusing saves over eager's {eager}", fontsize=10)
-    cuts.legend(fontsize=7, loc="lower left")
+    cuts.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1), frameon=False)
     lengths = sorted({r["shape"]["T"] for r in records})
     for ax in (times, cuts):
         ax.grid(True, which="both", alpha=0.2)
         plain_log_ticks(ax)
         ax.set_xticks(lengths, [str(t) for t in lengths])
-    return finish(fig, footnote or results.provenance(), bottom=0.08)
+    return finish(fig, footnote or results.provenance(), bottom=0.05)

@@ -7,7 +7,7 @@ import numpy as np
 
 from lessonlib.results import Impl, Op, Regime, Results
 from lessonlib.traffic import OpTraffic
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 
 
 def traffic_bars(op: OpTraffic, ax=None):
@@ -35,7 +35,7 @@ def bandwidth(results: Results, op: str, shape: dict, ceiling_gbs: float | None 
     student's own {impl: GB/s}, with ``Impl.COPY`` measured in the same run) gets a panel of its own, on its
     own axis and ceiling: a T4's 300 GB/s drawn on an H200's 4,000 GB/s axis would be a sliver."""
     if live and ax is None:
-        fig, (ax, live_ax) = plt.subplots(1, 2, figsize=(13, 4.2))
+        fig, (ax, live_ax) = plt.subplots(1, 2, figsize=(WIDTH, 3.8))
     else:
         fig, ax = figure(ax, (7.5, 4.2))
         live_ax = None

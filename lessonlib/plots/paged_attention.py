@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from lessonlib.results import Impl, Op, Results
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish
 
 
 def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, dict[int, int]] | None = None):
@@ -14,7 +14,7 @@ def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, 
     labelled with its physical block id. A block two sequences share is drawn in the same colour in both rows and
     outlined in black (its reference count is above 1)."""
     ref_counts = ref_counts or {}
-    fig, axes = plt.subplots(1, len(panels), figsize=(6.2 * len(panels), 0.8 + 0.75 * max(len(t) for t in panels.values())),
+    fig, axes = plt.subplots(1, len(panels), figsize=(min(WIDTH, 4.1 * len(panels)), 0.8 + 0.75 * max(len(t) for t in panels.values())),
                              squeeze=False)
     for ax, (title, tables) in zip(axes[0], panels.items()):
         counts = ref_counts.get(title, {})
@@ -38,7 +38,7 @@ def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, 
 
 def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, block_size: int):
     """Left: how long the requests are. Right: KV memory used vs held by paged blocks vs reserved as slabs."""
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.2, 1]})
+    fig, (left, right) = plt.subplots(1, 2, figsize=(WIDTH, 3.8), gridspec_kw={"width_ratios": [1.1, 1]})
     left.hist(np.asarray(lengths), bins=40, color="#9ecae1")
     left.axvline(max_len, color=IMPL_COLORS[Impl.EAGER], ls="--")
     left.text(max_len, left.get_ylim()[1] * 0.9, f" max_len {max_len:,}", color=IMPL_COLORS[Impl.EAGER], fontsize=8,
@@ -48,7 +48,7 @@ def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, blo
     left.set_title(f"{len(lengths)} requests, median {int(np.median(np.asarray(lengths))):,} tokens", fontsize=10)
     gb = [t * bytes_per_token / 1e9 for t in (reservation.used_tokens, reservation.paged_tokens,
                                               reservation.contiguous_tokens)]
-    labels = ["used\n(every token's K, V)", f"paged\n(blocks of {block_size})", f"contiguous\n(slab of {max_len:,})"]
+    labels = ["used\n(every\ntoken's K, V)", f"paged\n(blocks\nof {block_size})", f"contiguous\n(slab of\n{max_len:,})"]
     bars = right.bar(labels, gb, color=["#74c476", IMPL_COLORS[Impl.LESSONLIB], IMPL_COLORS[Impl.EAGER]])
     for bar, value, waste in zip(bars, gb, (0.0, reservation.paged_waste, reservation.contiguous_waste)):
         right.text(bar.get_x() + bar.get_width() / 2, value, f"{value:,.1f} GB\n{waste:.0%} unused", ha="center",
@@ -61,7 +61,7 @@ def kv_reservation(lengths, reservation, bytes_per_token: int, max_len: int, blo
 def paged_attention_speed(results: Results, ax=None):
     """Decode attention GB/s per shape: lessonlib's paged kernel against SDPA on a contiguous cache, gather+SDPA and
     FlexAttention's paged attention. GPU time (each call replayed from a CUDA graph) where the run recorded it."""
-    fig, ax = figure(ax, (9, 4.2))
+    fig, ax = figure(ax, (WIDTH, 4.2))
     impls = [Impl.LESSONLIB, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA, Impl.FLEX_PAGED]
     colours = [IMPL_COLORS[Impl.LESSONLIB], IMPL_COLORS[Impl.COMPILE], "#9ecae1", "#ff7f0e"]
     shapes = []
@@ -101,7 +101,7 @@ def paging_payoff(results: Results, footnote: str | None = None):
     rows = {r["impl"]: r for r in results.select(op=Op.LARGEST_BATCH)}
     impls = [i for i in (Impl.KV_SLABS, Impl.KV_BLOCKS) if i in rows]
     colors = {Impl.KV_SLABS: IMPL_COLORS[Impl.EAGER], Impl.KV_BLOCKS: IMPL_COLORS[Impl.LESSONLIB]}
-    fig, (fit, rate) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (fit, rate) = plt.subplots(1, 2, figsize=(WIDTH, 4.2))
     labels = [i.replace(" (", "\n(") for i in impls]
     fit.bar(labels, [rows[i]["batch"] for i in impls], color=[colors[i] for i in impls])
     for x, impl in enumerate(impls):

@@ -11,7 +11,7 @@ import textwrap
 
 import numpy as np
 
-from lessonlib.plots._figure import IMPL_COLORS, finish
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, finish
 from lessonlib.plots.fusion import gpu_name
 from lessonlib.results import Unit
 
@@ -21,7 +21,7 @@ FIELD_LABELS = {Unit.TFLOPS: "TFLOP/s", Unit.GBPS: "GB/s from Python",
                 SPEEDUP: "speedup over eager", "launches": "kernel launches per step"}
 _OTHER_COLORS = ("#17becf", "#bcbd22", "#ff7f0e", "#e377c2")
 MISSING_COLOR = "#b2182b"
-FONT = 10  # the figure is shown at 72 dpi in JupyterLab: 10 points is 10 pixels
+FONT = 10  # points: 14 pixels at the 100 dpi a notebook shows the figure at (_figure.py)
 
 
 def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, recorded_gpu: str, provenance: str,
@@ -36,10 +36,11 @@ def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, reco
     if live is not None:
         sources.append(("live", f"measured now, {gpu_name()}", live, "//"))
     rows = max(1, len(impls)) * len(sources)
-    fig, axes = plt.subplots(1, len(fields), figsize=(2.6 + 4.4 * len(fields), 1.5 + 0.36 * rows), squeeze=False,
+    # One panel per field, stacked: each as wide as the output area, so the long names and reasons read whole.
+    fig, axes = plt.subplots(len(fields), 1, figsize=(WIDTH, 0.5 + (1.0 + 0.36 * rows) * len(fields)), squeeze=False,
                              sharey=True)
     height = 0.8 / len(sources)
-    for ax, field in zip(axes[0], fields):
+    for ax, field in zip(axes[:, 0], fields):
         top = max([v for _, _, values, _ in sources for v in _column(values, impls, field) if v is not None],
                   default=1.0)
         for s, (key, _, values, hatch) in enumerate(sources):
@@ -58,7 +59,9 @@ def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, reco
         ax.set_xlabel(FIELD_LABELS[field], fontsize=FONT)
         ax.tick_params(labelsize=FONT - 1)
         ax.grid(True, axis="x", alpha=0.25)
-    axes[0][0].set_yticks(range(len(impls)), [textwrap.fill(i, 40) for i in impls], fontsize=FONT)
+    axes[0][0].set_yticks(range(len(impls)), [textwrap.fill(i, 40) for i in impls])
+    for ax in axes[:, 0]:  # the names, in every stacked panel alike
+        ax.tick_params(axis="y", labelsize=FONT)
     axes[0][0].set_ylim(max(len(impls), 1) - 0.5, -0.5)  # the first implementation on top
     if not impls:
         axes[0][0].text(0.5, 0, "no implementation chosen", ha="center", va="center", fontsize=FONT)

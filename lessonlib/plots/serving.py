@@ -6,7 +6,7 @@ import matplotlib.pyplot as plt
 from matplotlib.lines import Line2D
 
 from lessonlib.results import Impl, Op, Results
-from lessonlib.plots._figure import finish, plain_log_ticks
+from lessonlib.plots._figure import WIDTH, finish, plain_log_ticks
 from lessonlib.plots.serving_engine import MODE_COLORS
 
 # Chunked prefill and prefill-first in the chunked-prefill timeline's colours (one meaning per colour in lesson 07).
@@ -19,7 +19,8 @@ PANELS = (("ttft_ms", "time to first token (ms)"), ("itl_ms", "inter-token laten
 def serving_latency(results: Results, workload: str = "random", footnote: str | None = None):
     """One panel per measure against the request rate, a line per server: the p50 solid with the p99 dashed above
     it (latencies), and output tokens/s. A server recorded with an error is named in the legend with it."""
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 4.0))
+    fig, grid = plt.subplots(2, 2, figsize=(WIDTH, 7.2))  # four panels, two by two: each wide enough to read
+    axes = list(grid.flat)
     rows = results.select(op=Op.SERVING)
     servers = []  # one legend entry per server (its error where it failed), below the panels
     for impl, color in SERVER_COLORS.items():
@@ -50,10 +51,10 @@ def serving_latency(results: Results, workload: str = "random", footnote: str | 
     if knee_s is not None:  # the limit that defines each server's knee (serving_summary prints each server's)
         axes[0].axhline(1e3 * knee_s, color="black", linestyle=":", linewidth=1)
         styles.append(Line2D([], [], color="black", linestyle=":", label=f"knee: p99 TTFT {knee_s:g} s"))
-    fig.legend(handles=servers + styles, loc="lower center", ncol=len(servers) + len(styles), fontsize=8,
-               bbox_to_anchor=(0.5, 0.07), frameon=False)
+    fig.legend(handles=servers + styles, loc="lower center", ncol=3, fontsize=8,
+               bbox_to_anchor=(0.5, 0.035), frameon=False)
     fig.suptitle(f"servers under load, {workload} prompts", fontsize=10)
-    return finish(fig, footnote if footnote is not None else results.provenance(), bottom=0.24)
+    return finish(fig, footnote if footnote is not None else results.provenance(), bottom=0.13)
 
 
 def serving_summary(results: Results) -> str:

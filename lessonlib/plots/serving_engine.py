@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
-from lessonlib.plots._figure import IMPL_COLORS, figure, finish, plain_log_ticks
+from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
 from lessonlib.results import Impl, Op, Results
 
 
@@ -17,7 +17,7 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
     and requests each get an axis of their own: drawn on one axis and its twin, nothing said which scale a line was
     read on. Returns the two axes."""
     if axes is None:
-        _, axes = plt.subplots(2, 1, figsize=(10, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
+        _, axes = plt.subplots(2, 1, figsize=(WIDTH, 5.4), sharex=True, gridspec_kw={"height_ratios": (3, 2)})
     blocks, queue = axes
     steps = [r.step for r in records]
     blocks.plot(steps, [r.blocks_reserved for r in records], color="tab:gray", lw=1.5,
@@ -43,7 +43,7 @@ def plot_simulation(records: list, num_blocks: int, axes=None):
 
 def plot_steps(steps, ax=None, label: str = "interpreter time (CPU, not performance)"):
     """An engine run's steps (``LLM.steps``): time per step, prefill and decode coloured apart."""
-    _, ax = figure(ax, (10, 3))
+    _, ax = figure(ax, (WIDTH, 3))
     colors = ["tab:orange" if s.kind == "prefill" else "tab:blue" for s in steps]
     ax.bar(range(len(steps)), [1e3 * s.seconds for s in steps], color=colors)
     ax.set_xlabel("engine step (orange: prefill, blue: decode)")
@@ -65,7 +65,7 @@ def plot_recorded(results, axes=None):
     """The recorded GPU run: tokens/s of every peer at each batch size, and one decode step split into parts
     against the bytes-read limit."""
     if axes is None:
-        _, axes = plt.subplots(1, 2, figsize=(13, 4.6))
+        _, axes = plt.subplots(1, 2, figsize=(WIDTH, 4.4))
     ladder, parts = axes
     _plot_tokens_per_s(results, ladder)
     _plot_step_parts(results, parts)
@@ -184,16 +184,17 @@ def ladder_provenance(results) -> str:
 
 
 def plot_ladder(results, ax=None):
-    """The recorded tokens/s ladder. Left: one bar per rung, the median run's tokens/s, its whisker the slowest to
+    """The recorded tokens/s ladder. Above: one bar per rung, the median run's tokens/s, its whisker the slowest to
     the fastest run, labelled with its gain over the rung below and whether that gain stands above the spread; a
-    black diamond at the tokens/s the GPU's kernel time alone would give. Right (without ``ax``): time per step,
+    black diamond at the tokens/s the GPU's kernel time alone would give. Below (without ``ax``): time per step,
     wall (median run) against the GPU's kernel time. Log scales: the rungs span orders of magnitude. Returns the
     tokens/s axis."""
     rows = ladder_records(results)
     if not rows:
         raise ValueError("this results file has no tokens/s ladder: run python benchmarks/bench_engine.py --out ...")
     if ax is None:
-        fig, (ax, steps) = plt.subplots(1, 2, figsize=(14, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+        # stacked: side by side at the output's width, the rungs' labels ran into each other
+        fig, (ax, steps) = plt.subplots(2, 1, figsize=(WIDTH, 10), gridspec_kw={"height_ratios": [3, 2]})
     else:
         fig, steps = ax.figure, None
     x = range(len(rows))
@@ -215,14 +216,14 @@ def plot_ladder(results, ax=None):
     ax.set_ylim(top=max(values + [g for _, g in gpu]) * 30)  # room for the labels and the legend
     ax.set_ylabel("output tokens/s (log scale)")
     s = rows[0]["shape"]
-    ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats, {s['prompt']}-token prompts, "
+    ax.set_title(f"tokens/s ladder: {s['requests']} requests, {s['max_num_seqs']} seats,\n{s['prompt']}-token prompts, "
                  f"{s['max_tokens_low']}-{s['max_tokens_high']} new tokens each", fontsize=10)
     ax.legend(fontsize=7, loc="upper left")
     plain_log_ticks(ax)
     if steps is not None:
         plot_ladder_steps(rows, steps)
         plain_log_ticks(steps)
-    finish(fig, ladder_provenance(results), bottom=0.07)
+    finish(fig, ladder_provenance(results), bottom=0.04)
     return ax
 
 
@@ -260,7 +261,7 @@ def chunked_prefill_timeline(results: Results, footnote: str | None = None):
 
     rows = {r["impl"]: r for r in results.select(op=Op.STEP_TIMELINE)}
     modes = [m for m in (Impl.PREFILL_FIRST, Impl.CHUNKED_PREFILL) if m in rows]
-    fig, (steps_ax, gaps_ax) = plt.subplots(2, 1, figsize=(10, 6), sharex=True, height_ratios=(1, 1.4))
+    fig, (steps_ax, gaps_ax) = plt.subplots(2, 1, figsize=(WIDTH, 6), sharex=True, height_ratios=(1, 1.4))
     end = max(s["end"] for mode in modes for s in rows[mode]["steps"])
     for y, mode in enumerate(reversed(modes)):
         rec = rows[mode]

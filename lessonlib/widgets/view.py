@@ -94,7 +94,10 @@ class FigureView(w.VBox):
                 self._show(printed.getvalue(), drawn[-1] if drawn else None)
 
     def _show(self, text: str, fig) -> None:
-        self.text.value = f"<pre style='margin: 4px 0; line-height: 1.35'>{html.escape(text.rstrip())}</pre>"
+        # A line too long for the output wraps between words, never inside a number (JupyterLab breaks a printed
+        # line anywhere: "4|50 us").
+        self.text.value = (f"<pre style='margin: 4px 0; line-height: 1.35; white-space: pre-wrap; word-break: normal; "
+                           f"overflow-wrap: normal'>{html.escape(text.rstrip())}</pre>")
         if fig is not None:
             png = io.BytesIO()
             fig.savefig(png, format="png", bbox_inches="tight")

@@ -68,6 +68,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+# The student lab's configuration (`make lab` puts it first on JUPYTER_CONFIG_PATH): the tests see what students see.
+LAB_CONFIG = Path(__file__).resolve().parents[2] / "tools" / "lab"
+
+
 class JupyterLab:
     def __init__(self, notebooks: list[Path], startup_timeout: float = 120):
         self.notebooks = notebooks
@@ -78,7 +82,9 @@ class JupyterLab:
 
     def __enter__(self):
         self._tmp = tempfile.TemporaryDirectory(prefix="lessonlib-lab-")
-        root = Path(self._tmp.name)
+        base = Path(self._tmp.name)
+        root = base / "lab"  # what the file browser shows: the notebooks alone (the log and settings beside it)
+        root.mkdir()
         for path in self.notebooks:
             notebook = nbformat.read(path, as_version=4)
             for cell in notebook.cells:
@@ -86,16 +92,17 @@ class JupyterLab:
                     cell.outputs, cell.execution_count = [], None
             nbformat.write(notebook, root / path.name)
         # Every cell stays in the page (no windowing), so tests see all prompts and outputs wherever they scroll.
-        settings = root / ".settings" / "@jupyterlab" / "notebook-extension"
+        settings = base / ".settings" / "@jupyterlab" / "notebook-extension"
         settings.mkdir(parents=True)
         (settings / "tracker.jupyterlab-settings").write_text('{"windowingMode": "none"}')
-        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(root / ".runtime"), "JUPYTERLAB_SETTINGS_DIR": str(root / ".settings"),
-               "MPLBACKEND": "module://matplotlib_inline.backend_inline"}
-        self.log = open(root / "lab.log", "w")
+        config_path = os.pathsep.join(p for p in (str(LAB_CONFIG), os.environ.get("JUPYTER_CONFIG_PATH")) if p)
+        env = {**os.environ, "JUPYTER_RUNTIME_DIR": str(base / ".runtime"), "JUPYTERLAB_SETTINGS_DIR": str(base / ".settings"),
+               "MPLBACKEND": "module://matplotlib_inline.backend_inline", "JUPYTER_CONFIG_PATH": config_path}
+        self.log = open(base / "lab.log", "w")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--allow-root", f"--port={self.port}",
              "--ServerApp.ip=127.0.0.1", f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}",
-             f"--LabApp.workspaces_dir={root / '.workspaces'}", "--ServerApp.disable_check_xsrf=False"],
+             f"--LabApp.workspaces_dir={base / '.workspaces'}", "--ServerApp.disable_check_xsrf=False"],
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
         deadline = time.time() + self.startup_timeout
@@ -123,12 +130,12 @@ class JupyterLab:
         return (Path(self._tmp.name) / "lab.log").read_text()[-4000:]
 
     @contextlib.contextmanager
-    def browser(self):
+    def browser(self, width: int = 1400, height: int = 1000):
         from playwright.sync_api import sync_playwright
 
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": width, "height": height})
             try:
                 yield page
             finally:
