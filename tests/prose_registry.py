@@ -276,7 +276,62 @@ def two_kernel_best_over_default() -> float:
     return max(ratios)
 
 
+def fa_shape_recorded(shape: dict) -> bool:
+    """lessonlib's forward recorded at ``shape``, full and causal, in the run lesson 02 plots."""
+    return all(run("flash-attention-h200").select(op=Op.FORWARD, impl=Impl.LESSONLIB, **shape, causal=causal)
+               for causal in (False, True))
+
+
+def backward_kernels() -> list[str]:
+    """The kernels of lessonlib's backward, as the schedules run records its default tiles: one entry per kernel."""
+    return list(run("flash-attention-schedules-h200").notes["default_backward_config"])
+
+
+def launch_batches() -> set[int]:
+    return {r["shape"]["B"] for r in run("attention-launches-h200").records}
+
+
+def sdpa_backends_named() -> int:
+    """The SDPA backends lesson 02's section 6 lists, each an ``SDPBackend`` member that torch has."""
+    from torch.nn.attention import SDPBackend
+
+    named = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    return sum(hasattr(SDPBackend, name) for name in named)
+
+
 LESSON_02 = (
+    Given("02_flash_attention", "b17c8f07", "At T = 8192 that matrix", "a length the lesson chooses to show the "
+          "matrix at (a shape; the cell after shows why past T = 4·D it outweighs the rest)"),
+    Given("02_flash_attention", "a9448b30", "Q, K, V and the output together hold 4·H·T·D",
+          "a count: four tensors of H·T·D numbers each"),
+    Given("02_flash_attention", "45a39ad3", "scores [1, 3] in the first tile and [2, 5] in the second, values 10, 20, "
+          "30, 40", "the worked example's own numbers"),
+    Given("02_flash_attention", "be501217", "starting from m = −inf, l = 0, acc = 0",
+          "the online softmax's initial state: a definition (nothing seen: no maximum, empty sums)"),
+    Holds("02_flash_attention", "ff044963", "One kernel accumulates dK and dV per key tile, another dQ per query tile",
+          lambda: backward_kernels() == ["dkdv", "dq"],
+          "the recorded run's backward tiles: one configuration for the dK/dV kernel, one for the dQ kernel"),
+    Given("02_flash_attention", "e37b7166", "a query that sees no key gets 0",
+          "reference.attention's rule for an empty row (a definition the spec states)"),
+    Holds("02_flash_attention", "b461f08a", "B = 2, H = 32, N = 8192, D = 128",
+          lambda: fa_shape_recorded({"B": 2, "H": 32, "N": 8192, "D": 128}),
+          "lessonlib's forward recorded at that shape, full and causal, in flash-attention-h200"),
+    Measured("02_flash_attention", "6dc7bcfa", "dispatches to one of several kernels", "several kernels",
+             sdpa_backends_named),
+    Given("02_flash_attention", "launch-bound-lead", "merging attention's softmax and matrix-product kernels into one "
+          "launch", "the news item's claim in the course's words: it \"eliminates the need for separate softmax and "
+          "matmul kernels\" (news item), the claim this section tests"),
+    Given("02_flash_attention", "launch-bound-lead", "one kernel per operation",
+          "what eager PyTorch is: each operation runs as its own kernel (the cell below counts them)"),
+    Holds("02_flash_attention", "launch-bound-method", "times each at batch 1, causal",
+          lambda: launch_batches() == {1} and all(r["shape"]["causal"] for r in run("attention-launches-h200").records),
+          "attention-launches-h200: every record at B=1, causal"),
+    Given("02_flash_attention", "launch-bound-method", "the time cut by fusion is 1 − fused / eager",
+          "the definition the section gives"),
+    Given("02_flash_attention", "203f0b91", "Prefill: N queries against N keys, 4·N²·D FLOPs per head",
+          "the formula's coefficient: two matrix products (Q Kᵀ and P V) of 2 FLOPs per multiply-add"),
+    Given("02_flash_attention", "203f0b91", "4·N·D FLOPs over the 2·N·D values of K and V, about one FLOP per byte",
+          "the formula's coefficients: the same products for one query, over K and V (2 bytes a value in bf16)"),
     Given("02_flash_attention", "a9448b30", "past T = 4·D (512 at D = 128) the scores outweigh everything else",
           "the derivation the cell states: H·T² > 4·H·T·D exactly when T > 4·D"),
     Holds("02_flash_attention", "19cdc4e5", "it never gets near the GPU's matmul rate",
