@@ -756,7 +756,8 @@ MEGAKERNEL = "what a megakernel is: the whole step as one launch (Hazy Research'
 
 def prefix_cached_tokens() -> int:
     """The most tokens a prompt of lesson 07's section 2 found in the prefix cache (its stored output)."""
-    return max(int(n) for n in re.findall(r"\(\s*(\d+) from the prefix cache\)", output("07_serving_engine", "60724c85")))
+    stored = output("07_serving_engine", "60724c85")
+    return max(int(n) for n in re.findall(r"\(\s*(\d+) from the prefix cache\)", stored))
 
 
 def code(name: str, cell: str) -> str:
@@ -808,7 +809,8 @@ LESSON_07 = (
           "an index: the step after step N"),
     Given("07_serving_engine", "batch-1-limit", "What goes further is one kernel for the whole step", MEGAKERNEL),
     Given("07_serving_engine", "aa13bb20", "and 0 once it is spent", "the rule the exercise defines"),
-    Given("07_serving_engine", "aa13bb20", "a prompt the budget does not reach gets 0", "the rule the exercise defines"),
+    Given("07_serving_engine", "aa13bb20", "a prompt the budget does not reach gets 0",
+          "the rule the exercise defines"),
     Given("07_serving_engine", "b1cd8e63", "at batch 1 the weight-read limit is the ceiling", BATCH_1),
     # the appendix: lesson 02's lab record and lesson 07's section
     Given(APPENDIX, "appendix-02-sweep-lead", "two measurements of one kernel at two moments of the run",
