@@ -16,7 +16,7 @@ import statistics
 
 from lessonlib import kv_memory, reference, results, traffic
 from lessonlib.results import Impl, Op
-from tests.prose_figures import ROOT, Given, Holds, Measured, output
+from tests.prose_figures import ROOT, VAGUE, Given, Holds, Measured, output
 
 QUOTED = "a source text's own words, quoted; lesson 05's table of claims gives the verdict"
 A_FEW = 0.05  # "a few percent", "within a few percent": at most 5%
@@ -276,7 +276,63 @@ def two_kernel_best_over_default() -> float:
     return max(ratios)
 
 
+def fa_shape_recorded(shape: dict) -> bool:
+    """lessonlib's forward recorded at ``shape``, full and causal, in the run lesson 02 plots."""
+    return all(run("flash-attention-h200").select(op=Op.FORWARD, impl=Impl.LESSONLIB, **shape, causal=causal)
+               for causal in (False, True))
+
+
+def backward_kernels() -> list[str]:
+    """The kernels of lessonlib's backward, as the schedules run records its default tiles: one entry per kernel."""
+    return list(run("flash-attention-schedules-h200").notes["default_backward_config"])
+
+
+def launch_batches() -> set[int]:
+    return {r["shape"]["B"] for r in run("attention-launches-h200").records}
+
+
+def sdpa_backends_named() -> int:
+    """The SDPA backends lesson 02's section 6 lists, each an ``SDPBackend`` member that torch has."""
+    from torch.nn.attention import SDPBackend
+
+    named = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    return sum(hasattr(SDPBackend, name) for name in named)
+
+
 LESSON_02 = (
+    Given("02_flash_attention", "b17c8f07", "At T = 8192 that matrix", "a length the lesson chooses to show the "
+          "matrix at (a shape; the cell after shows why past T = 4·D it outweighs the rest)"),
+    Given("02_flash_attention", "a9448b30", "Q, K, V and the output together hold 4·H·T·D",
+          "a count: four tensors of H·T·D numbers each"),
+    Given("02_flash_attention", "45a39ad3", "scores [1, 3] in the first tile and [2, 5] in the second, values 10, 20, "
+          "30, 40", "the worked example's own numbers"),
+    Given("02_flash_attention", "be501217", "starting from m = −inf, l = 0, acc = 0",
+          "the online softmax's initial state: a definition (nothing seen: no maximum, empty sums)"),
+    Holds("02_flash_attention", "ff044963", "One kernel accumulates dK and dV per key tile, another dQ per query tile",
+          lambda: backward_kernels() == ["dkdv", "dq"],
+          "the recorded run's backward tiles: one configuration for the dK/dV kernel, one for the dQ kernel"),
+    Given("02_flash_attention", "e37b7166", "a query that sees no key gets 0",
+          "reference.attention's rule for an empty row (a definition the spec states)"),
+    Holds("02_flash_attention", "b461f08a", "B = 2, H = 32, N = 8192, D = 128",
+          lambda: fa_shape_recorded({"B": 2, "H": 32, "N": 8192, "D": 128}),
+          "lessonlib's forward recorded at that shape, full and causal, in flash-attention-h200"),
+    Holds("02_flash_attention", "6dc7bcfa", "dispatches to one of several kernels",
+          lambda: VAGUE["several"][0] <= sdpa_backends_named() <= VAGUE["several"][1],
+          "the four SDPBackend members the sentence names, within what \"several\" means (tests/prose_figures.py)"),
+    Given("02_flash_attention", "launch-bound-lead", "merging attention's softmax and matrix-product kernels into one "
+          "launch", "the news item's claim in the course's words: it \"eliminates the need for separate softmax and "
+          "matmul kernels\" (news item), the claim this section tests"),
+    Given("02_flash_attention", "launch-bound-lead", "one kernel per operation",
+          "what eager PyTorch is: each operation runs as its own kernel (the cell below counts them)"),
+    Holds("02_flash_attention", "launch-bound-method", "times each at batch 1, causal",
+          lambda: launch_batches() == {1} and all(r["shape"]["causal"] for r in run("attention-launches-h200").records),
+          "attention-launches-h200: every record at B=1, causal"),
+    Given("02_flash_attention", "launch-bound-method", "the time cut by fusion is 1 − fused / eager",
+          "the definition the section gives"),
+    Given("02_flash_attention", "203f0b91", "Prefill: N queries against N keys, 4·N²·D FLOPs per head",
+          "the formula's coefficient: two matrix products (Q Kᵀ and P V) of 2 FLOPs per multiply-add"),
+    Given("02_flash_attention", "203f0b91", "4·N·D FLOPs over the 2·N·D values of K and V, about one FLOP per byte",
+          "the formula's coefficients: the same products for one query, over K and V (2 bytes a value in bf16)"),
     Given("02_flash_attention", "a9448b30", "past T = 4·D (512 at D = 128) the scores outweigh everything else",
           "the derivation the cell states: H·T² > 4·H·T·D exactly when T > 4·D"),
     Holds("02_flash_attention", "19cdc4e5", "it never gets near the GPU's matmul rate",
@@ -692,4 +748,92 @@ LESSONS_05_06_07 = (
           < run("serving-h200").notes["targets"]["knee_rate"][Impl.HF_SERVE], "the two runs' transformers knees"),
 )
 
-FIGURES = LESSON_01 + LESSON_02 + LESSONS_00_03_04 + LESSONS_05_06_07
+# --- lesson 07 and its appendix section: the figures the stricter check found ---------------------------------------
+
+BATCH_1 = "the regime the limit is stated for, one sequence a step: a definition (section 8 computes the limit)"
+MEGAKERNEL = "what a megakernel is: the whole step as one launch (Hazy Research's design, named beside it)"
+
+
+def prefix_cached_tokens() -> int:
+    """The most tokens a prompt of lesson 07's section 2 found in the prefix cache (its stored output)."""
+    stored = output("07_serving_engine", "60724c85")
+    return max(int(n) for n in re.findall(r"\(\s*(\d+) from the prefix cache\)", stored))
+
+
+def code(name: str, cell: str) -> str:
+    from tests.prose_figures import notebook
+
+    return next(c.source for c in notebook(name).cells if c.get("id") == cell)
+
+
+def live_ladder_requests() -> int:
+    """Requests in the live ladder's cell: one ``max_tokens`` per request (its ``lengths``)."""
+    return len(re.search(r"lengths = \[([^\]]*)\]", code("07_serving_engine", "8a1d0c04")).group(1).split(","))
+
+
+def batch_1_only(*impls: str) -> bool:
+    """Every generate record of ``impls`` in the recorded engine run is at batch 1, and there is one."""
+    found = [r for r in run("engine-h200").select(op=Op.GENERATE) if r["impl"] in impls]
+    return set(impls) == {r["impl"] for r in found} and all(r["shape"]["batch"] == 1 for r in found)
+
+
+def pdl_chain() -> tuple[int, int]:
+    """(layers, projections) of decode_layer_pdl.py's chain: its layers times the projection shapes it timed."""
+    data = json.loads((ROOT / "benchmarks/experiments/results/decode-layer-pdl-h200.json").read_text())
+    layers = single({r["layers"] for r in data["chain"]})
+    return layers, layers * len({r["shape"] for r in data["single"]})
+
+
+def experiment_context() -> int:
+    """The context of the tables of the appendix's "Below six kernels a layer" (both step experiments)."""
+    return single({json.loads((ROOT / f"benchmarks/experiments/results/{name}.json").read_text())["context"]
+                   for name in ("decode-qkv-attention-h200", "decode-attention-latency-h200")})
+
+
+LADDER_LESSONS = (("PyTorch ops, cuBLAS", "01"), ("PyTorch's SDPA", "02"), ("pages gathered, then SDPA", "03"),
+                  ("kernels launched from Python", "05"), ("static batches", "07"))
+
+LESSON_07 = (
+    Given("07_serving_engine", "feba7d7b", "reading every weight at batch 1", BATCH_1),
+    Measured("07_serving_engine", "d05674a3", "its first 32 tokens fill two 16-token blocks", "32",
+             prefix_cached_tokens),
+    Given("07_serving_engine", "d05674a3", "On a GPU, in 16 bits", "a data type's width: float16 and bfloat16"),
+    Measured("07_serving_engine", "9aa765f0", "reading the 32 cached ones", "32", prefix_cached_tokens),
+    Given("07_serving_engine", "2256609f", "Llama 3's RoPE scaling", "a model family's name"),
+    *(Given("07_serving_engine", "8a1d0c01", f"| {plain} | {lesson} |", "the lesson each rung comes from: a place")
+      for plain, lesson in LADDER_LESSONS),
+    Measured("07_serving_engine", "8a1d0c03", "three requests for two seats", "three requests", live_ladder_requests),
+    Given("07_serving_engine", "57690133", "The limit: reading every weight at batch 1", BATCH_1),
+    Given("07_serving_engine", "57690133", "At batch 1 a decode step", BATCH_1),
+    Given("07_serving_engine", "57690133", "launches step N+1 before it reads step N's tokens: step N+1 takes",
+          "an index: the step after step N"),
+    Given("07_serving_engine", "batch-1-limit", "What goes further is one kernel for the whole step", MEGAKERNEL),
+    Given("07_serving_engine", "aa13bb20", "and 0 once it is spent", "the rule the exercise defines"),
+    Given("07_serving_engine", "aa13bb20", "a prompt the budget does not reach gets 0",
+          "the rule the exercise defines"),
+    Given("07_serving_engine", "b1cd8e63", "at batch 1 the weight-read limit is the ceiling", BATCH_1),
+    # the appendix: lesson 02's lab record and lesson 07's section
+    Given(APPENDIX, "appendix-02-sweep-lead", "two measurements of one kernel at two moments of the run",
+          "what the two timings are: the default configuration's own record and its line in the sweep, the same "
+          "kernel (the registry's fa_noise computes their gap)"),
+    Given(APPENDIX, "flash-loop-variants", "**exp2 in 16 bits**", "a data type's width: the variant's exponentials "
+          "in a 16-bit float"),
+    Given(APPENDIX, "schedules-lead", "against one kernel per key tile that adds its share of dQ",
+          "the atomic schedule's design, as the cell describes it (FlashAttention-2's first schedule)"),
+    Holds(APPENDIX, "schedules-read", "but Triton 3.6's automatic version",
+          lambda: run("flash-attention-schedules-h200").environment["triton"].startswith("3.6."),
+          "the Triton the schedules run recorded"),
+    Holds(APPENDIX, "l07-engine-run", "at batch 1 also with cuBLAS for its projections",
+          lambda: batch_1_only("lessonlib engine, CUDA graphs, cuBLAS projections", "lessonlib engine, fused decode "
+                               "layer"), "the recorded run's cuBLAS-projection and fused-layer generate records"),
+    Given(APPENDIX, "fewer-kernels", "What goes further is one kernel for the whole step", MEGAKERNEL),
+    Measured(APPENDIX, "fewer-kernels", "each whole step's GPU time (context 192)", "192", experiment_context),
+    Given(APPENDIX, "l07-streaming", "Do the projections stream as fast as a GEMV can?",
+          "a question; the tables below answer it"),
+    Measured(APPENDIX, "l07-streaming", "times the 64 projections of the 16 layers as one chain", "64",
+             lambda: pdl_chain()[1]),
+    Measured(APPENDIX, "l07-streaming", "times the 64 projections of the 16 layers as one chain", "16",
+             lambda: pdl_chain()[0]),
+)
+
+FIGURES = LESSON_01 + LESSON_02 + LESSONS_00_03_04 + LESSONS_05_06_07 + LESSON_07

@@ -167,10 +167,10 @@ def ladder_gain(row: dict, below: dict) -> str:
     gain = f"×{row['tokens_per_s'] / below['tokens_per_s']:.2f}"
     if "tokens_per_s_min" not in row or "tokens_per_s_min" not in below:
         return gain + " (one run: no verdict)"
-    if row["tokens_per_s_min"] > below["tokens_per_s_max"]:
-        return gain + " (faster, beyond the spread)"
-    if row["tokens_per_s_max"] < below["tokens_per_s_min"]:
-        return gain + " (slower, beyond the spread)"
+    faster = row["tokens_per_s_min"] > below["tokens_per_s_max"]
+    slower = row["tokens_per_s_max"] < below["tokens_per_s_min"]
+    if faster or slower:
+        return gain + f" ({'faster' if faster else 'slower'}, beyond the spread)"
     return gain + " (within the spread)"
 
 
