@@ -65,11 +65,18 @@ def test_a_figure_registered_with_the_stale_text_fails_on_its_computed_value():
 
 
 def test_every_measured_figure_fails_when_the_source_moves_past_its_band():
-    for entry in [e for e in FIGURES if isinstance(e, prose.Measured)]:
-        band = prose.rounding(entry.figure) if entry.within is None else entry.within
-        moved = prose.Measured(entry.notebook, entry.cell, entry.quote, entry.figure,
-                               lambda e=entry, b=band: e.measured() + 2 * b + 1)
-        cells = {c.get("id"): (0, c.source) for c in prose.notebook(entry.notebook).cells}
+    for entry in [e for e in (*FIGURES, *GENERATED) if isinstance(e, prose.Measured)]:
+        if prose.vague(entry.figure):  # "a few", "several": moved past the top of its stated meaning
+            high = prose.vague(entry.figure)[2]
+            moved = prose.Measured(entry.notebook, entry.cell, entry.quote, entry.figure, lambda h=high: h + 1)
+        else:
+            band = prose.rounding(entry.figure) if entry.within is None else entry.within
+            moved = prose.Measured(entry.notebook, entry.cell, entry.quote, entry.figure,
+                                   lambda e=entry, b=band: e.measured() + 2 * b + 1)
+        if entry.notebook.endswith(".py"):
+            cells = {entry.cell: (0, "\n".join(text for _, text in prose.strings((prose.ROOT / entry.notebook).read_text())))}
+        else:
+            cells = {c.get("id"): (0, c.source) for c in prose.notebook(entry.notebook).cells}
         assert prose.check_entry(moved, cells), entry
 
 
