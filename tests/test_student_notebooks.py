@@ -221,3 +221,20 @@ def test_student_copies_keep_nbgrader_metadata_and_lock_the_checkers(path):
         else:
             assert c.metadata["deletable"] is False and c.metadata["editable"] is False
             assert c.source.startswith(REPORTED_CHECK.split("{")[0])
+
+
+def test_a_student_copys_links_to_the_appendix_resolve_from_its_folder():
+    """A lesson's link to a lesson stays (the student copy beside it); one to the appendix or a file of the course
+    goes one folder up, and every relative link in every student copy names a file that exists."""
+    import re
+
+    import make_student_notebooks as tool
+
+    text = "[the appendix](appendix_measurements.ipynb), [lesson 01](01_operator_fusion.ipynb), `k[grid](...)`"
+    assert tool.one_folder_down(text) == ("[the appendix](../appendix_measurements.ipynb), "
+                                          "[lesson 01](01_operator_fusion.ipynb), `k[grid](...)`")
+    for path in sorted((ROOT / "notebooks" / "student").glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type == "markdown":
+                for target in tool.RELATIVE_LINK.findall(cell.source):
+                    assert (path.parent / target.split("#")[0]).exists(), (path.name, target)

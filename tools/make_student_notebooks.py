@@ -52,9 +52,26 @@ def sources() -> list[Path]:
     return sorted(p for p in SOURCE_DIR.glob("*.ipynb") if re.match(r"\d\d_", p.name))
 
 
+# A relative link to a file in an instructor notebook's markdown: ](target) with no scheme and no leading "#" or
+# "/", naming a file by its extension (so ``kernel[grid](...)`` in a code span is no link).
+RELATIVE_LINK = re.compile(r"\]\((?![a-z][a-z0-9+.-]*:|#|/)([\w./-]+\.(?:ipynb|md|py|json|png)(?:#[^)\s]*)?)\)")
+
+
+def one_folder_down(markdown: str) -> str:
+    """Relative links as they resolve from notebooks/student/: a lesson's link stays (it opens the student copy of
+    that lesson beside it); anything else in the course (the appendix, lessonlib's files) is one folder up."""
+    def moved(match: re.Match) -> str:
+        target = match.group(1)
+        return match.group(0) if re.match(r"\d\d_[\w-]+\.ipynb", target) else f"](../{target})"
+    return RELATIVE_LINK.sub(moved, markdown)
+
+
 def render_text(instructor: str, student_path: str, course: course_links.Course) -> str:
     """The student copy of an instructor notebook's text, with badges for ``student_path`` (repository-relative)."""
     notebook = student_copy(nbformat.reads(instructor, as_version=4))
+    for cell in notebook.cells:
+        if cell.cell_type == "markdown":
+            cell.source = one_folder_down(cell.source)
     course_links.with_badges(notebook, course, student_path)
     return nbformat.writes(notebook) + "\n"
 
