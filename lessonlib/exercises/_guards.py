@@ -1,9 +1,14 @@
-"""Guard zones around the tensors a checker hands to a student's kernel, so that a missing mask is caught and named
-instead of corrupting memory.
+"""Guard zones around the tensors a checker hands to a student's kernel, and the one way a lesson launches a
+student's kernel (:meth:`Guards.launch`), so that a missing mask is caught and named instead of corrupting memory.
 
-In Triton's interpreter a store past a tensor's end writes into whatever the process keeps there: the notebook's
-kernel dies later (``free(): invalid pointer``) and the student loses everything they ran. So every tensor a kernel
-exercise's kernel touches is placed in the middle of a larger buffer, ``[guard | tensor | guard]``, each guard at
+In Triton's interpreter (CPU) every launch of a student's kernel is observed
+(:func:`~lessonlib.exercises._observe.launch_observed`): each load and store is recorded, a lane outside its
+tensor is named and never performed, and the outputs compared are certified to hold what the kernel's own stores
+wrote. On a GPU nothing can be recorded, and the guard zones below are what catch a missing mask:
+
+a store past a tensor's end writes into whatever the process keeps there (in the interpreter, without the
+recorder, the notebook's kernel would die: ``free(): invalid pointer``). So every tensor a kernel exercise's kernel
+touches is placed in the middle of a larger buffer, ``[guard | tensor | guard]``, each guard at
 least as large as the tensor plus one tile (:data:`MARGIN`): an access that a missing mask lets run up to a tile
 past either end stays inside memory the buffer owns. Afterwards:
 
@@ -23,7 +28,13 @@ from contextlib import contextmanager
 import torch
 
 from lessonlib import runtime
+from lessonlib.exercises import _observe
 from lessonlib.exercises._checking import ExerciseFailed
+
+GPU_NOTE = ("(On a GPU the checker cannot record your kernel's loads and stores: it sees a store into the guard "
+            "zone around a tensor, and a read past an input's end whose value reaches the output. A read whose value "
+            "goes unused, and masked lanes without other=, are named only in the Triton interpreter, on a CPU.)")
+_gpu_note_shown = []
 
 # Elements of slack beyond the tensor's own size on each side: the largest tile an exercise launcher uses (a
 # FlashAttention tile of 32 keys x 128 dims on a GPU; 1,024 elements for swiglu's blocks; rows of up to 1,024).
@@ -46,6 +57,45 @@ class Guards:
     def __init__(self, name: str):
         self.name = name
         self.zones = []  # (what, buffer, start, numel, fill, output)
+        self.tracked = []  # the tensors this check made: certified against the launch's record
+        self.observations = []  # one Observation per launch
+
+    def track(self, t: torch.Tensor, output: bool = False) -> torch.Tensor:
+        """A tensor made for this check (lesson 00's own guarded views too): certified after the launch; an
+        ``output`` must have been given to the launch."""
+        if output:
+            t._lessonlib_output = True
+        self.tracked.append(t)
+        return t
+
+    def launch(self, kernel, grid, *args, **meta):
+        """Launch the student's ``kernel[grid](*args, **meta)``, observed (:mod:`~lessonlib.exercises._observe`):
+        a refused kernel, an access outside a tensor, unset lanes that reach a result, or a tensor changed other
+        than by the kernel's stores raise :class:`ExerciseFailed` naming it."""
+        if runtime.on_gpu() and not _gpu_note_shown:
+            _gpu_note_shown.append(print(GPU_NOTE))
+        obs = _observe.launch_observed(self.name, kernel, grid, *args, **meta)
+        self.observations.append(obs)
+        problems = _observe.findings(obs)
+        if problems:
+            raise ExerciseFailed(f"{self.name}: {problems[0]}")
+        return obs
+
+    def certify(self, *results) -> None:
+        """After the check's launch: each tensor this check made that the launch was given still holds exactly
+        what the kernel's stores wrote; each output made here and each tensor in ``results`` (what the launcher
+        returned) was given to the launch."""
+        outputs = [t for t in self.tracked if getattr(t, "_lessonlib_output", False)]
+        must = [t for t in [*outputs, *results] if isinstance(t, torch.Tensor) and t.numel()]
+        if not self.observations:
+            if must:
+                raise _observe.KernelRefused(f"{self.name}: the checker's launch of your kernel never ran")
+            return
+        obs = self.observations[-1]
+        launched = {record.data_ptr: name for name, record in obs.tensors.items()}
+        for t in [*must, *self.tracked]:
+            if t.numel() and (t.data_ptr() in launched or any(t is m for m in must)):
+                _observe.certify_outputs(self.name, obs, {launched.get(t.data_ptr(), "output"): t})
 
     def _allocate(self, what: str, shape, dtype, device, output: bool) -> torch.Tensor:
         numel = 1
@@ -60,12 +110,13 @@ class Guards:
     def place(self, what: str, t: torch.Tensor) -> torch.Tensor:
         """A contiguous copy of input ``t`` inside a guarded buffer."""
         view = self._allocate(what, t.shape, t.dtype, t.device, output=False)
-        return view.copy_(t)
+        return self.track(view.copy_(t))
 
     def empty(self, what: str, like: torch.Tensor) -> torch.Tensor:
         """An output shaped like ``like``, NaN-filled (integers: 0), inside a guarded buffer."""
         view = self._allocate(what, like.shape, like.dtype, like.device, output=True)
-        return view.fill_(float("nan") if like.is_floating_point() else 0)
+        view.fill_(float("nan") if like.is_floating_point() else 0)
+        return self.track(view, output=True)
 
     def check_writes(self) -> None:
         """Raise ExerciseFailed naming the first tensor whose guard was written, and the elements written."""
@@ -113,6 +164,9 @@ class Guards:
 
         result = launch()
         self.check_writes()
+        if not runtime.on_gpu():  # observed: an access outside a tensor was named by the launch itself
+            self.certify(*(result if isinstance(result, (tuple, list)) else (result,)))
+            return result
         first = produced(result)
         if not any(bool(t.isnan().any()) for t in first):
             return result
@@ -144,6 +198,18 @@ def launch_guards(name: str, guards: Guards | None):
     own = Guards(name)
     yield own
     own.check_writes()
+    own.certify()
+
+
+def launch_kernel(guards: Guards | None, name: str, kernel, grid, *args, **meta):
+    """How every exercise launcher launches the student's kernel: through ``guards`` (observed in the interpreter,
+    :meth:`Guards.launch`); without guards (on a GPU, a timed launch) the kernel is certified, then launched bare."""
+    if guards is not None:
+        return guards.launch(kernel, grid, *args, **meta)
+    from lessonlib.ops._common import launch
+
+    _observe.certify_kernel(name, kernel)
+    return launch(kernel, grid, *args, **meta)
 
 
 def output_like(guards: Guards | None, what: str, like: torch.Tensor) -> torch.Tensor:

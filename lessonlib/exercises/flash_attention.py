@@ -11,7 +11,7 @@ import torch
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
                                            _require_kernel)
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, check_close, to_float64
 
 
@@ -121,7 +121,6 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
-    from lessonlib.ops._common import launch
     from lessonlib.ops.flash_attention import check_inputs
 
     check_inputs(q, k, v)
@@ -131,7 +130,7 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
     with launch_guards("flash_forward", guards) as guards:
         out = output_like(guards, "out", q)
-        launch(kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
+        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
                CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
     return out
 

@@ -8,7 +8,7 @@ import torch
 
 from lessonlib import reference, runtime, testing
 from lessonlib.exercises._checking import ExerciseFailed, _call, _check_output, _inputs, _require_kernel
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
 
 
@@ -26,7 +26,7 @@ def swiglu(kernel, gate: torch.Tensor, up: torch.Tensor, guards: Guards | None =
     like ``gate``. ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
-    from lessonlib.ops._common import check_tensors, launch
+    from lessonlib.ops._common import check_tensors
 
     check_tensors("swiglu", gate=gate, up=up)
     if gate.shape != up.shape:
@@ -35,7 +35,7 @@ def swiglu(kernel, gate: torch.Tensor, up: torch.Tensor, guards: Guards | None =
     with launch_guards("swiglu", guards) as guards:
         out = output_like(guards, "out", gate)
         if gate.numel():
-            launch(kernel, (triton.cdiv(gate.numel(), SWIGLU_BLOCK),), gate, up, out, gate.numel(), BLOCK=SWIGLU_BLOCK)
+            launch_kernel(guards, "swiglu", kernel, (triton.cdiv(gate.numel(), SWIGLU_BLOCK),), gate, up, out, gate.numel(), BLOCK=SWIGLU_BLOCK)
     return out
 
 
@@ -44,7 +44,7 @@ def add_rms_norm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.
     """Launch the exercise's add + RMSNorm kernel, one program per row of the contiguous (rows, n_cols) inputs:
     ``kernel[(rows,)](x, residual, weight, out, residual_out, n_cols, eps, BLOCK=next_power_of_2(n_cols))``.
     Returns ``(out, residual_out)``, each like ``x``."""
-    from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+    from lessonlib.ops._common import check_tensors, next_power_of_2
 
     check_tensors("add_rms_norm", x=x, residual=residual, weight=weight)
     if x.shape != residual.shape or x.dim() < 1 or weight.shape != x.shape[-1:]:
@@ -55,7 +55,7 @@ def add_rms_norm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.
     with launch_guards("add_rms_norm", guards) as guards:
         out, residual_out = output_like(guards, "out", x), output_like(guards, "residual_out", x)
         if x.numel():
-            launch(kernel, (x.numel() // n_cols,), x, residual, weight, out, residual_out, n_cols, eps,
+            launch_kernel(guards, "add_rms_norm", kernel, (x.numel() // n_cols,), x, residual, weight, out, residual_out, n_cols, eps,
                    BLOCK=next_power_of_2(n_cols))
     return out, residual_out
 

@@ -9,7 +9,7 @@ import torch
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
                                            _require_kernel)
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, to_float64
 
 
@@ -94,7 +94,6 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size and D powers of two (tl.arange needs them); block_table (B, max_blocks) int32; seq_lens (B,) int32,
     each at least 1. Validated as lessonlib's kernel validates them, tables included. Returns (B, H, D).
     ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
-    from lessonlib.ops._common import launch
     from lessonlib.ops.paged_attention import check_inputs
 
     check_inputs(q, k_cache, v_cache, block_table, seq_lens)  # shapes, dtypes, devices, and the tables' range
@@ -103,7 +102,7 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     with launch_guards("paged_decode", guards) as guards:
         out = output_like(guards, "out", q)
-        launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
+        launch_kernel(guards, "paged_decode", kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
                block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
                GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
     return out

@@ -8,7 +8,7 @@ import torch
 
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _require_kernel
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
 
 
@@ -37,15 +37,13 @@ def rope(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, guards: 
     keys as a projection returns them; cos, sin: (T, D), each token's angles (``reference.rope_cos_sin``).
     Returns x rotated, (T, H, D), as ``reference.apply_rope`` rotates it. ``guards``: the checker's
     (:mod:`~lessonlib.exercises._guards`)."""
-    from lessonlib.ops._common import launch
-
     _check_rope_args("rope", x, cos, sin)
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     sizes = _rope_launch_sizes(x.shape[1], x.shape[2])
     with launch_guards("rope", guards) as guards:
         out = output_like(guards, "out", x)
         if x.numel():
-            launch(kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes,
+            launch_kernel(guards, "rope", kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes,
                    num_warps=1 if not runtime.on_gpu() else 4)
     return out
 
@@ -127,9 +125,7 @@ def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     """Launch the exercise's fused kernel, one program per new token: rotate q (returned) and k, and write k and v
     straight into their cache slots. q: (T, H, D); k, v: (T, Hkv, D); cos, sin: (T, D); caches (num_blocks,
     block_size, Hkv, D) contiguous; slots: (T,) int64, distinct, inside the pool (checked, as store_kv checks)."""
-    from lessonlib.ops._common import launch
-
-    from lessonlib.ops._common import check_tensors
+    from lessonlib.ops._common import check_tensors, next_power_of_2
 
     check_tensors("rope_store_kv", q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
     _check_rope_args("rope_store_kv", q, cos, sin)
@@ -150,11 +146,9 @@ def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
         raise ValueError(f"rope_store_kv: slots must be distinct and in [0, {num_slots})")
     q, k, v, cos, sin = (t.contiguous() for t in (q, k, v, cos, sin))
     sizes = _rope_launch_sizes(q.shape[1], q.shape[2])
-    from lessonlib.ops._common import next_power_of_2
-
     with launch_guards("rope_store_kv", guards) as guards:
         q_out = output_like(guards, "q_out", q)
-        launch(kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
+        launch_kernel(guards, "rope_store_kv", kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
                HALF=sizes["HALF"], BLOCK_HQ=sizes["BLOCK_H"], BLOCK_HKV=next_power_of_2(k.shape[1]),
                BLOCK_HALF=sizes["BLOCK_HALF"], num_warps=1 if not runtime.on_gpu() else 4)
     return q_out
