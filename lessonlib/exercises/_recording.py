@@ -2,7 +2,8 @@
 interpreter it wraps the interpreter's two memory primitives, ``create_masked_load`` and ``create_masked_store``,
 through which every load and store passes in Triton 3.6 and 3.9 (plain, masked, block-pointer and descriptor
 accesses alike: the others call these two). Each access's lanes are matched to the tensor arguments: a lane outside
-its tensor is recorded and not performed, so a missing mask cannot touch the process's memory.
+its tensor is recorded, and performed only where it stays inside the memory that tensor's storage owns (a checker's
+guard zone, the padding between rows), so a missing mask cannot touch the process's other memory.
 
 Which tensor an access belongs to: the argument holding most of its active lanes (a missing mask leaves most lanes
 inside), or, when none is inside any, the nearest one. Offsets are in elements from the tensor's first element.
@@ -34,6 +35,8 @@ class _Region:
         self.order = torch.arange(self.extent).as_strided(t.shape, t.stride()).reshape(-1).numpy()  # element -> offset
         self.inside = np.zeros(self.extent, dtype=bool)
         self.inside[self.order] = True
+        storage = t.untyped_storage()
+        self.owned = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())  # bytes safe to touch
         self.reads, self.writes, self.visits, self.stores = [], [], [], []
         self.outside = {"reads_outside": {}, "writes_outside": {}}  # line -> [count, first, last]
 
@@ -44,6 +47,9 @@ class _Region:
         ok = (delta % self.itemsize == 0) & (offsets >= 0) & (offsets < self.extent)
         ok[ok] = self.inside[offsets[ok]]
         return offsets, ok
+
+    def owns(self, addresses: np.ndarray) -> np.ndarray:
+        return (addresses >= self.owned[0]) & (addresses + self.itemsize <= self.owned[1])
 
     def distance(self, addresses: np.ndarray) -> int:
         end = self.base + self.extent * self.itemsize
@@ -112,7 +118,7 @@ class Recorder:
         if region is None:
             return None, active & False, line
         offsets, inside = region.locate(addresses)
-        ok = active & inside
+        ok = active & (inside | region.owns(addresses))  # what may be performed
         stray = active & ~inside
         if stray.any():
             region.note_outside(kind, line, offsets[stray])
@@ -154,11 +160,12 @@ class Recorder:
         def masked_store(ptrs, value, mask, *rest, **kwargs):
             region, located, line = self._access(builder, "writes_outside", ptrs, mask)
             safe = located[1] if region is not None else located
-            if region is not None and safe.any():
-                values = np.broadcast_to(np.asarray(value.data), safe.shape)[safe]
+            keep = safe & region.locate(np.asarray(ptrs.data).astype(np.int64))[1] if region is not None else safe
+            if keep.any():
+                values = np.broadcast_to(np.asarray(value.data), keep.shape)[keep]
                 width = _BITS.get(values.dtype.itemsize, (None, None))[1]
                 bits = np.ascontiguousarray(values).view(width) if width else values
-                region.stores.append((located[0][safe], bits))
+                region.stores.append((located[0][keep], bits))
             mask = interpreter.TensorHandle(np.ascontiguousarray(safe), mask.dtype)
             return store(ptrs, value, mask, *rest, **kwargs)
 

@@ -199,13 +199,14 @@ def check_paged_decode_kernel(kernel) -> None:
             where = (f"{batch} sequences of {list(lengths)} tokens, {heads} query heads over {kv_heads} KV heads, "
                      f"block_size {block_size}, {str(dtype).removeprefix('torch.')}, block table {table.tolist()}")
             out = guards.run(lambda: _call("paged_decode", lambda *a: paged_decode(kernel, *a, guards=guards), args))
-            truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
-            if out.isnan().all():
-                raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")
-            _not_implemented_output("paged_decode", out, truth)
-            cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
-            _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
-                      lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
-                      attention_allowance(q, k_cache, v_cache))
+            with guards.judged():
+                truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
+                if out.isnan().all():
+                    raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")
+                _not_implemented_output("paged_decode", out, truth)
+                cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
+                _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
+                          lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
+                          attention_allowance(q, k_cache, v_cache))
     print(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
           "tables, GQA, block sizes 16 and 32, lengths 1-100), within tolerance of float64")

@@ -98,10 +98,11 @@ def check_rope_kernel(kernel) -> None:
                            zip(("x", "cos", "sin"), _rope_inputs(tokens, heads, head_dim, dtype)))
             where = f"x {tuple(x.shape)}, {str(dtype).removeprefix('torch.')}"
             out = guards.run(lambda: _call("rope", lambda *a: rope(kernel, *a, guards=guards), (x, cos, sin)))
-            truth = _rope_reference(*to_float64(x, cos, sin))
-            _check_output_written("rope", out, truth, where)
-            cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
-            _diagnose("rope", out, truth, _rope_reference(x, cos, sin), lambda: _rope_mistakes(*cpu64), where)
+            with guards.judged():
+                truth = _rope_reference(*to_float64(x, cos, sin))
+                _check_output_written("rope", out, truth, where)
+                cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
+                _diagnose("rope", out, truth, _rope_reference(x, cos, sin), lambda: _rope_mistakes(*cpu64), where)
     print(f"rope: your kernel matches reference.apply_rope on {len(ROPE_CASES)} shapes (head_dim 2 to 80) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 
@@ -182,31 +183,32 @@ def check_rope_store_kv_kernel(kernel) -> None:
             q_out = guards.run(lambda: _call("rope_store_kv", lambda *a: rope_store_kv(kernel, *a, guards=guards),
                                              (q, k, v, cos, sin, k_cache, v_cache, slots)),
                                lambda q_out: (q_out, flat_k[slots], flat_v[slots]))
-            q64, k64, v64, cos64, sin64 = (t.cpu() for t in to_float64(q, k, v, cos, sin))
-            if isinstance(q_out, torch.Tensor) and q_out.isnan().all() and flat_k[slots].isnan().all() \
-                    and flat_v[slots].isnan().all():
-                raise ExerciseFailed("rope_store_kv: not implemented yet: the kernel wrote neither q_out nor any cache "
-                                     "slot (all still NaN, as these checks fill them). Fill in the kernel body.")
-            others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=k_cache.device)
-            others[slots] = False
-            for cache, before, what in ((flat_k, k_before, "K"), (flat_v, v_before, "V")):
-                changed = ~(cache[others] == before.view_as(cache)[others]).view(-1, kv_heads * head_dim).all(dim=1)
-                if changed.any():
-                    bad = int(others.nonzero()[changed.nonzero()[0]].item())
-                    raise ExerciseFailed(f"rope_store_kv wrote {what} into slot {bad}, which belongs to another token "
-                                         f"(this step's slots are {slots.tolist()}). Token t's row goes to "
-                                         "slots[t] * Hkv * D in the cache.")
-            _check_output_written("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64), where)
-            _check_output_written("rope_store_kv: the K written to the cache", flat_k[slots], k64, where)
-            _check_output_written("rope_store_kv: the V written to the cache", flat_v[slots], v64, where)
-            _diagnose("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64),
-                      _rope_reference(q, cos, sin), lambda: _rope_mistakes(q64, cos64, sin64), where)
-            _diagnose("rope_store_kv: the K in the cache", flat_k[slots], _rope_reference(k64, cos64, sin64),
-                      _rope_reference(k, cos, sin),
-                      lambda: _rope_mistakes(k64, cos64, sin64), where)
-            rotated_v = _rope_reference(v64, cos64, sin64)
-            _diagnose("rope_store_kv: the V in the cache", flat_v[slots], v64, v,
-                      [("rotating V too gives: only Q and K carry positions; V is copied as it is", rotated_v)], where)
+            with guards.judged():
+                q64, k64, v64, cos64, sin64 = (t.cpu() for t in to_float64(q, k, v, cos, sin))
+                if isinstance(q_out, torch.Tensor) and q_out.isnan().all() and flat_k[slots].isnan().all() \
+                        and flat_v[slots].isnan().all():
+                    raise ExerciseFailed("rope_store_kv: not implemented yet: the kernel wrote neither q_out nor any cache "
+                                         "slot (all still NaN, as these checks fill them). Fill in the kernel body.")
+                others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=k_cache.device)
+                others[slots] = False
+                for cache, before, what in ((flat_k, k_before, "K"), (flat_v, v_before, "V")):
+                    changed = ~(cache[others] == before.view_as(cache)[others]).view(-1, kv_heads * head_dim).all(dim=1)
+                    if changed.any():
+                        bad = int(others.nonzero()[changed.nonzero()[0]].item())
+                        raise ExerciseFailed(f"rope_store_kv wrote {what} into slot {bad}, which belongs to another token "
+                                             f"(this step's slots are {slots.tolist()}). Token t's row goes to "
+                                             "slots[t] * Hkv * D in the cache.")
+                _check_output_written("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64), where)
+                _check_output_written("rope_store_kv: the K written to the cache", flat_k[slots], k64, where)
+                _check_output_written("rope_store_kv: the V written to the cache", flat_v[slots], v64, where)
+                _diagnose("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64),
+                          _rope_reference(q, cos, sin), lambda: _rope_mistakes(q64, cos64, sin64), where)
+                _diagnose("rope_store_kv: the K in the cache", flat_k[slots], _rope_reference(k64, cos64, sin64),
+                          _rope_reference(k, cos, sin),
+                          lambda: _rope_mistakes(k64, cos64, sin64), where)
+                rotated_v = _rope_reference(v64, cos64, sin64)
+                _diagnose("rope_store_kv: the V in the cache", flat_v[slots], v64, v,
+                          [("rotating V too gives: only Q and K carry positions; V is copied as it is", rotated_v)], where)
     print(f"rope_store_kv: q rotated, K rotated and V copied into their slots, every other slot untouched, on "
           f"{len(ROPE_STORE_KV_CASES)} shapes in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 

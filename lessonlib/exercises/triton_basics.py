@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import runtime
-from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _describe
+from lessonlib.exercises._checking import ExerciseFailed, _describe, _diagnose, _named, _require_kernel
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
 
 SCALE_ADD_SIZES = (123, 7, 1, 1000)  # several blocks, a ragged last one (first: a late program shows); 1 element
@@ -30,12 +30,6 @@ ROW_SUM_SHAPES = ((3, 7), (6, 123), (1, 1))  # (M, N): N spans several column bl
 def blocks() -> dict:
     """Tile sizes the launchers use: small in the interpreter so the checker's sizes span several programs."""
     return dict(BLOCK=64, BLOCK_M=16, BLOCK_N=16) if runtime.on_gpu() else dict(BLOCK=16, BLOCK_M=4, BLOCK_N=8)
-
-
-def _require_kernel(name: str, kernel) -> None:
-    from lessonlib.exercises._observe import certify_kernel
-
-    certify_kernel(name, kernel)
 
 
 # --- Guarded buffers: every tensor a kernel gets sits inside a NaN-filled buffer -------------------------------
@@ -144,14 +138,15 @@ def check_scale_add_kernel(kernel) -> None:
             guards = Guards("scale_add")
             out = _run("scale_add", lambda: scale_add(kernel, x, y, alpha, guards), (x, y))
             guards.certify(out)
-            _coverage("scale_add", out, block)
-            x64, y64 = x.double(), y.double()
-            low = (alpha * x.float() + y.float()).to(dtype)
-            _diagnose("scale_add", out, alpha * x64 + y64, low, [
-                ("a kernel that ignores alpha gives: out = alpha * x + y", x64 + y64),
-                ("alpha * (x + y) gives: only x is scaled", alpha * (x64 + y64)),
-                ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
-            ], _describe((x, y)) + f", alpha={alpha:.3f}")
+            with guards.judged():
+                _coverage("scale_add", out, block)
+                x64, y64 = x.double(), y.double()
+                low = (alpha * x.float() + y.float()).to(dtype)
+                _diagnose("scale_add", out, alpha * x64 + y64, low, [
+                    ("a kernel that ignores alpha gives: out = alpha * x + y", x64 + y64),
+                    ("alpha * (x + y) gives: only x is scaled", alpha * (x64 + y64)),
+                    ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
+                ], _describe((x, y)) + f", alpha={alpha:.3f}")
     print(f"✓ scale_add: your kernel is right for n = {', '.join(map(str, SCALE_ADD_SIZES))} (BLOCK = {block}) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}, nothing stored past "
           "the end")
@@ -222,7 +217,7 @@ def _transpose_nans(out: torch.Tensor, storage: torch.Tensor, x: torch.Tensor) -
                              "checker fills it). Fill in the kernel body.")
     for explanation, wrong in _transpose_mistakes(storage, x):
         if torch.equal(nan, wrong.isnan()):
-            raise ExerciseFailed(f"transpose: NaN in out where x has none: your kernel loaded x's padding (NaN in "
+            raise _named(f"transpose: NaN in out where x has none: your kernel loaded x's padding (NaN in "
                                  f"this check). It is what {explanation}")
     j, i = (int(v) for v in nan.nonzero()[0])
     raise ExerciseFailed(f"transpose: {int(nan.sum())} of {out.numel()} elements of out were never stored (first: "
@@ -244,13 +239,14 @@ def check_transpose_kernel(kernel) -> None:
             guards = Guards("transpose")
             out = _run("transpose", lambda: transpose(kernel, x, guards=guards), (x,))
             guards.certify(out)
-            out = out.cpu()
-            where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
-            if int(storage.isnan().sum()) != 2 * guard + m * pad:
-                raise ExerciseFailed("transpose: your kernel wrote into x's buffer; store into out only")
-            _transpose_nans(out, storage, x)
-            _diagnose("transpose", out, values.double().cpu().T, values.cpu().T,
-                      lambda: _transpose_mistakes(storage, x), where)
+            with guards.judged():
+                out = out.cpu()
+                where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
+                if int(storage.isnan().sum()) != 2 * guard + m * pad:
+                    raise ExerciseFailed("transpose: your kernel wrote into x's buffer; store into out only")
+                _transpose_nans(out, storage, x)
+                _diagnose("transpose", out, values.double().cpu().T, values.cpu().T,
+                          lambda: _transpose_mistakes(storage, x), where)
     print(f"✓ transpose: your kernel is right on x of shapes {', '.join(map(str, TRANSPOSE_SHAPES))} with padded "
           f"rows (BLOCK_M = {b['BLOCK_M']}, BLOCK_N = {b['BLOCK_N']}), nothing stored outside out")
 
@@ -301,12 +297,13 @@ def check_row_sum_kernel(kernel) -> None:
             guards = Guards("row_sum")
             out = _run("row_sum", lambda: row_sum(kernel, x, guards), (x,))
             guards.certify(out)
-            out = out.cpu()
-            where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
-            if out.isnan().all():
-                raise ExerciseFailed("row_sum: not implemented yet: the kernel stored nothing (out is still NaN, as "
-                                     "the checker fills it). Fill in the kernel body.")
-            _diagnose("row_sum", out, x.double().cpu().sum(1), x.float().sum(1).cpu(),
-                      lambda: _row_sum_mistakes(x, storage, block_n), where)
+            with guards.judged():
+                out = out.cpu()
+                where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
+                if out.isnan().all():
+                    raise ExerciseFailed("row_sum: not implemented yet: the kernel stored nothing (out is still NaN, as "
+                                         "the checker fills it). Fill in the kernel body.")
+                _diagnose("row_sum", out, x.double().cpu().sum(1), x.float().sum(1).cpu(),
+                          lambda: _row_sum_mistakes(x, storage, block_n), where)
     print(f"✓ row_sum: your kernel is right on x of shapes {', '.join(map(str, ROW_SUM_SHAPES))} with padded rows "
           f"(BLOCK_N = {block_n}) in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
