@@ -13,6 +13,7 @@ the output NaN or zero: both are reported as "not implemented yet".
 from __future__ import annotations
 
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -78,7 +79,29 @@ def _call(name: str, fn, args):
     except NotImplementedError as e:
         raise ExerciseFailed(f"{name}: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
     except Exception as e:  # the student's bug: say where it happened
-        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
+        raise _student_error(name, e, args) from e
+
+
+_MISSING_CAST = (  # (what Triton says, in 3.6 and 3.9, the named mistake)
+    (re.compile(r"Expected dtype \[.*fp32.*\] but got (\w+)"),
+     "a math function (tl.exp, tl.sigmoid, tl.rsqrt, ...) got {0} values, and it takes float32: a missing cast. "
+     "Convert what you load, x = tl.load(...).to(tl.float32), and convert the result back when storing, "
+     ".to(out_ptr.dtype.element_ty)"),
+    (re.compile(r"Both operands must be same dtype\. Got (\w+) and (\w+)"),
+     "tl.dot got operands of two dtypes, {0} and {1}: a missing cast. Cast one to the other's dtype, e.g. "
+     "tl.dot(p.to(v.dtype), v)"),
+)
+
+
+def _student_error(name: str, e: Exception, args) -> ExerciseFailed:
+    """The student's exception as one line: a known mistake named (a missing cast), else where it happened."""
+    text = str(e)
+    for pattern, explanation in _MISSING_CAST:
+        found = pattern.search(text)
+        if found:
+            return _named(f"{name}: on {_describe(args)}, {explanation.format(*found.groups())}.")
+    first_line = text.splitlines()[0] if text else ""
+    return ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {first_line}")
 
 
 def _check_written(name: str, out, truth: torch.Tensor, args) -> None:
@@ -93,7 +116,7 @@ def _check_written(name: str, out, truth: torch.Tensor, args) -> None:
             raise ExerciseFailed(
                 f"{name}: not implemented yet: the kernel wrote none of the output (every element is still NaN, "
                 "the value these checks fill new outputs with). Write the kernel's body where it says YOUR CODE "
-                "HERE (between BEGIN and END SOLUTION in the instructor's copy)."
+                "HERE."
             )
         if written < out.numel():
             first = tuple(int(i) for i in torch.isnan(out).nonzero()[0])

@@ -54,8 +54,9 @@ class Guards:
     allocates an output there (NaN-poisoned, as ``testing.poisoned_outputs`` does), :meth:`check_writes` and
     :meth:`run` find accesses outside them."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, computes: str = ""):
         self.name = name
+        self.computes = computes  # what each program must store: named to a stub that stores nothing
         self.zones = []  # (what, buffer, start, numel, fill, output)
         self.tracked = []  # the tensors this check made: certified against the launch's record
         self.observations = []  # one Observation per launch
@@ -81,6 +82,9 @@ class Guards:
         # A read outside a tensor is named after the values are judged (see judged): a wrong stride that reads the
         # padding is better named by the checker's diagnosis; everything else is named now.
         now = [p for p in problems if " were read " not in p]
+        if obs.recorded and self.computes and not now and not any(r.written.any() for r in obs.tensors.values()):
+            raise ExerciseFailed(f"{self.name}: not implemented yet: {obs.kernel} stored nothing. Write its body "
+                                 f"where it says YOUR CODE HERE: each program must {self.computes}.")
         self.deferred.extend(p for p in problems if " were read " in p)
         if now:
             raise ExerciseFailed(f"{self.name}: {now[0]}")

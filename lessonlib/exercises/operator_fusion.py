@@ -85,7 +85,7 @@ def check_swiglu(kernel=None, *, op=None) -> None:
             if op is not None:
                 out = _call("swiglu", op, (gate, up))
             else:
-                guards = Guards("swiglu")
+                guards = Guards("swiglu", "store silu(gate) * up = gate * sigmoid(gate) * up for its BLOCK elements")
                 gate, up = guards.place("gate", gate), guards.place("up", up)
                 out = guards.run(lambda: _call("swiglu", lambda g, u: swiglu(kernel, g, u, guards), (gate, up)))
             with guards.judged() if op is None else nullcontext():
@@ -105,7 +105,7 @@ def check_add_rms_norm(kernel=None, *, op=None) -> None:
             if op is not None:
                 result = _call("add_rms_norm", op, (x, residual, weight, 1e-6))
             else:
-                guards = Guards("add_rms_norm")
+                guards = Guards("add_rms_norm", "store its row of residual_out = x + residual and of out = weight * RMSNorm(x + residual)")
                 x, residual, weight = (guards.place(w, t) for w, t in (("x", x), ("residual", residual),
                                                                         ("weight", weight)))
                 result = guards.run(lambda: _call("add_rms_norm", lambda *a: add_rms_norm(kernel, *a, guards=guards),

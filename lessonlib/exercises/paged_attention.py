@@ -31,7 +31,7 @@ def check_physical_slot(fn) -> None:
         if tuple(got) != want:
             raise ExerciseFailed(f"physical_slot({position}, {table}, block_size={block_size}) = {tuple(got)}, expected "
                                  f"{want}: logical block = position // block_size, then look it up in the table")
-    print(f"physical_slot: correct on {len(cases)} positions, including the seed's table 17 4 29 8")
+    print(f"physical_slot: correct on {len(cases)} positions, including the lesson's example table 17 4 29 8")
 
 
 def check_free_sequence(fn) -> None:

@@ -93,7 +93,7 @@ def check_rope_kernel(kernel) -> None:
     _require_kernel("rope", kernel, "my_rope_kernel")
     for dtype in runtime.supported_dtypes():
         for tokens, heads, head_dim in ROPE_CASES:
-            guards = Guards("rope")
+            guards = Guards("rope", "store its token's heads rotated: x * cos + rotate_half(x) * sin")
             x, cos, sin = (guards.place(name, t) for name, t in
                            zip(("x", "cos", "sin"), _rope_inputs(tokens, heads, head_dim, dtype)))
             where = f"x {tuple(x.shape)}, {str(dtype).removeprefix('torch.')}"
@@ -172,7 +172,7 @@ def check_rope_store_kv_kernel(kernel) -> None:
             num_blocks = -(-tokens // block_size) + 2
             k_cache, v_cache = _inputs(*[(num_blocks, block_size, kv_heads, head_dim)] * 2, dtype=dtype)
             slots = torch.randperm(num_blocks * block_size, device=runtime.device())[:tokens]
-            guards = Guards("rope_store_kv")
+            guards = Guards("rope_store_kv", "store its token's q rotated into q_out, and its k rotated and v as it is into the token's cache slot")
             q, k, v, cos, sin, k_cache, v_cache, slots = (
                 guards.place(name, t) for name, t in zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slots"),
                                                          (q, k, v, cos, sin, k_cache, v_cache, slots)))

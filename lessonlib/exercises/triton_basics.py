@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from lessonlib import runtime
-from lessonlib.exercises._checking import ExerciseFailed, _describe, _diagnose, _named, _require_kernel
+from lessonlib.exercises._checking import (ExerciseFailed, _describe, _diagnose, _named, _require_kernel,
+                                           _student_error)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
 
 SCALE_ADD_SIZES = (123, 7, 1, 1000)  # several blocks, a ragged last one (first: a late program shows); 1 element
@@ -135,7 +136,7 @@ def check_scale_add_kernel(kernel) -> None:
         for n in SCALE_ADD_SIZES:
             x, y = (torch.randn(n, device=runtime.device()).to(dtype) for _ in range(2))
             alpha = float(torch.empty(()).uniform_(0.5, 3.0))
-            guards = Guards("scale_add")
+            guards = Guards("scale_add", "store alpha * x + y for its BLOCK elements")
             out = _run("scale_add", lambda: scale_add(kernel, x, y, alpha, guards), (x, y))
             guards.certify(out)
             with guards.judged():
@@ -159,8 +160,7 @@ def _run(name: str, launch, args):
     except ExerciseFailed:
         raise
     except Exception as e:
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {first_line}") from None
+        raise _student_error(name, e, args) from None
 
 
 # --- 2. transpose: out[j, i] = x[i, j], x strided ---------------------------------------------------------------
@@ -236,7 +236,7 @@ def check_transpose_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             guard = 2 * max(b["BLOCK_M"], b["BLOCK_N"]) * (n + pad + 1)  # an unmasked load stays inside it
             x, storage = guarded(m, n, dtype, guard=guard, pad=pad, values=values, fill=float("nan"))
-            guards = Guards("transpose")
+            guards = Guards("transpose", "store its tile of x, transposed: out[j, i] = x[i, j]")
             out = _run("transpose", lambda: transpose(kernel, x, guards=guards), (x,))
             guards.certify(out)
             with guards.judged():
@@ -294,7 +294,7 @@ def check_row_sum_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             x, storage = guarded(m, n, dtype, guard=block_n, pad=int(torch.randint(block_n, 2 * block_n, ())),
                                  values=values, fill=PADDING)
-            guards = Guards("row_sum")
+            guards = Guards("row_sum", "store the sum of its row of x, out[i] = x[i, :].sum()")
             out = _run("row_sum", lambda: row_sum(kernel, x, guards), (x,))
             guards.certify(out)
             with guards.judged():
