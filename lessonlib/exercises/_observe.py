@@ -28,7 +28,6 @@ launched on, holding exactly what the kernel's recorded stores wrote).
 
 from __future__ import annotations
 
-import functools
 import sys
 from dataclasses import dataclass, field
 
@@ -143,24 +142,18 @@ def _tampered(kernel, kind) -> str | None:
         method = kind.__dict__.get(attribute)
         if method is not None and _code_file(method) != _triton_file(module):
             return f"Triton's {kind.__name__}.{attribute} has been replaced"
-    expected = _fresh_attributes(kind)
-    if set(vars(kernel)) - expected:
-        return f"the kernel object carries attributes Triton does not set ({sorted(set(vars(kernel)) - expected)})"
+    # Triton sets data on the instance, some of it lazily (a JITFunction's compile, at its first launch); a method
+    # set on the instance would run instead of Triton's.
+    shadowing = sorted(k for k in vars(kernel) if callable(getattr(kind, k, None)))
+    if shadowing:
+        return f"the kernel object's {', '.join(shadowing)} replaced Triton's"
     if getattr(kernel, "pre_run_hooks", None):
         return "the kernel has pre-run hooks: launch a plain @triton.jit kernel"
     rewriter = getattr(kernel, "rewriter", None)
-    if rewriter is not None and getattr(rewriter, "fn", None) is not fn:
-        return "the kernel's source rewriter belongs to another function"
+    if rewriter is not None and (type(rewriter) is not getattr(module, "FunctionRewriter", None)
+                                 or getattr(rewriter, "fn", None) is not fn):
+        return "the kernel's source rewriter is not Triton's, for this function"
     return None
-
-
-@functools.lru_cache(maxsize=None)
-def _fresh_attributes(kind) -> frozenset:
-    return frozenset(vars(kind(_placeholder_kernel)))
-
-
-def _placeholder_kernel(x_ptr):  # what a fresh kernel object carries, to compare a student's with
-    pass
 
 
 def launch_observed(name: str, kernel, grid, *args, student: bool = True, **meta) -> Observation:
