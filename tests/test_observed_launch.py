@@ -108,8 +108,13 @@ def overwriting_from_the_body(exercise: str):
 
 
 def _overwrite(pointer):
+    import warnings
+
     address = int(pointer.handle.data.reshape(-1)[0])
-    for t in gc.get_objects():
+    with warnings.catch_warnings():  # isinstance on every live object wakes deprecated module attributes
+        warnings.simplefilter("ignore")
+        found = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+    for t in found:
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() and t.data_ptr() == address:
             t.fill_(0.25)  # "the right answer", computed elsewhere
 
