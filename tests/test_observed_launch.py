@@ -233,3 +233,14 @@ def test_recorder_reports_plain_data_and_leaves_memory_alone():
     obs = _observe.launch_observed("scale_add", kernel, (1,), x, y, inside, 5, 2.0, BLOCK=16)
     assert not torch.equal(buffer[13:24], torch.full((11,), 7.0)) and torch.equal(buffer[24:], torch.full((40,), 7.0))
     assert [(o.count, o.first, o.last) for o in obs.tensors["out"].writes_outside] == [(11, 5, 15)]
+
+
+@pytest.mark.parametrize("exercise, computes", [("scale_add", "alpha \\* x \\+ y"), ("swiglu", "silu\\(gate\\) \\* up"),
+                                                ("rope", "rotate_half")])
+def test_a_stub_is_told_what_to_write(exercise, computes):
+    """The student copy's kernel (its body `pass`): the message names the kernel and what each program computes."""
+    from tests.test_kernel_exercises import gen
+
+    check, notebook, name, _ = EXERCISES[exercise]
+    with pytest.raises(ExerciseFailed, match=f"not implemented yet: {name} stored nothing.*YOUR CODE HERE.*{computes}"):
+        check(define(gen.strip_solutions(solution_source(notebook, name)), name))
