@@ -54,9 +54,10 @@ class Guards:
     allocates an output there (NaN-poisoned, as ``testing.poisoned_outputs`` does), :meth:`check_writes` and
     :meth:`run` find accesses outside them."""
 
-    def __init__(self, name: str, computes: str = ""):
+    def __init__(self, name: str, computes: str = "", advice: dict | None = None):
         self.name = name
         self.computes = computes  # what each program must store: named to a stub that stores nothing
+        self.advice = advice or {}  # tensor -> what its accesses need, added to a finding that names it
         self.zones = []  # (what, buffer, start, numel, fill, output)
         self.tracked = []  # the tensors this check made: certified against the launch's record
         self.observations = []  # one Observation per launch
@@ -87,8 +88,15 @@ class Guards:
                                  f"where it says YOUR CODE HERE: each program must {self.computes}.")
         self.deferred.extend(p for p in problems if " were read " in p)
         if now:
-            raise ExerciseFailed(f"{self.name}: {now[0]}")
+            raise ExerciseFailed(f"{self.name}: {self._advised(now[0])}")
         return obs
+
+    def _advised(self, finding: str) -> str:
+        import re
+
+        named = re.match(r"elements \S+ outside (\w+)", finding)
+        extra = self.advice.get(named.group(1)) if named else None
+        return f"{finding} {extra}" if extra else finding
 
     @contextmanager
     def judged(self):
@@ -99,10 +107,10 @@ class Guards:
             yield
         except ExerciseFailed as failure:
             if not failure.named and self.deferred:
-                raise ExerciseFailed(f"{self.name}: {self.deferred[0]}") from None
+                raise ExerciseFailed(f"{self.name}: {self._advised(self.deferred[0])}") from None
             raise
         if self.deferred:
-            raise ExerciseFailed(f"{self.name}: {self.deferred[0]}")
+            raise ExerciseFailed(f"{self.name}: {self._advised(self.deferred[0])}")
 
     def certify(self, *results) -> None:
         """After the check's launch: each tensor this check made that the launch was given still holds exactly

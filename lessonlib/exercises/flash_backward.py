@@ -132,7 +132,7 @@ def check_flash_dkdv_kernel(kernel) -> None:
             q, grad_out = (torch.randn(batch, heads, n_q, head_dim, device=runtime.device()).to(dtype) for _ in "qo")
             k, v = (torch.randn(batch, heads, n_kv, head_dim, device=runtime.device()).to(dtype) for _ in "kv")
             where = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {str(dtype).removeprefix('torch.')}"
-            guards = Guards("flash_dkdv", "store dK and dV for its tile of keys")
+            guards = Guards("flash_dkdv", "store dK and dV for its tile of keys", {"dk": "Mask the stores with keys < n_kv.", "dv": "Mask the stores with keys < n_kv."})
             dk, dv = _run("flash_dkdv", lambda: flash_dkdv(kernel, q, k, v, grad_out, guards=guards), (q, k, v))
             guards.certify(dk, dv)
             with guards.judged():

@@ -36,6 +36,13 @@ def blocks() -> dict:
 # --- Guarded buffers: every tensor a kernel gets sits inside a NaN-filled buffer -------------------------------
 
 
+SCALE_ADD_ADVICE = {"x": "The last program's offsets run past n: load and store with mask=offsets < n.",
+                    "y": "The last program's offsets run past n: load and store with mask=offsets < n.",
+                    "out": "The last program's offsets run past n: load and store with mask=offsets < n."}
+TRANSPOSE_ADVICE = {"x": "Mask the load in both dimensions, rows < M and cols < N.",
+                    "out": "Mask the store in both dimensions, rows < M and cols < N; out's rows are stride_om "
+                           "apart, its columns stride_on."}
+ROW_SUM_ADVICE = {"x": "Each block of columns needs mask=cols < N.", "out": "Program i stores one value, at out_ptr + i."}
 GUARD = -30000.0  # what an output's guard and padding hold: exact in float16, far from any right answer
 PADDING = 10000.0  # what row_sum's input padding holds: a sum that loads it is off by multiples of it
 
@@ -136,7 +143,7 @@ def check_scale_add_kernel(kernel) -> None:
         for n in SCALE_ADD_SIZES:
             x, y = (torch.randn(n, device=runtime.device()).to(dtype) for _ in range(2))
             alpha = float(torch.empty(()).uniform_(0.5, 3.0))
-            guards = Guards("scale_add", "store alpha * x + y for its BLOCK elements")
+            guards = Guards("scale_add", "store alpha * x + y for its BLOCK elements", SCALE_ADD_ADVICE)
             out = _run("scale_add", lambda: scale_add(kernel, x, y, alpha, guards), (x, y))
             guards.certify(out)
             with guards.judged():
@@ -236,7 +243,7 @@ def check_transpose_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             guard = 2 * max(b["BLOCK_M"], b["BLOCK_N"]) * (n + pad + 1)  # an unmasked load stays inside it
             x, storage = guarded(m, n, dtype, guard=guard, pad=pad, values=values, fill=float("nan"))
-            guards = Guards("transpose", "store its tile of x, transposed: out[j, i] = x[i, j]")
+            guards = Guards("transpose", "store its tile of x, transposed: out[j, i] = x[i, j]", TRANSPOSE_ADVICE)
             out = _run("transpose", lambda: transpose(kernel, x, guards=guards), (x,))
             guards.certify(out)
             with guards.judged():
@@ -294,7 +301,7 @@ def check_row_sum_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             x, storage = guarded(m, n, dtype, guard=block_n, pad=int(torch.randint(block_n, 2 * block_n, ())),
                                  values=values, fill=PADDING)
-            guards = Guards("row_sum", "store the sum of its row of x, out[i] = x[i, :].sum()")
+            guards = Guards("row_sum", "store the sum of its row of x, out[i] = x[i, :].sum()", ROW_SUM_ADVICE)
             out = _run("row_sum", lambda: row_sum(kernel, x, guards), (x,))
             guards.certify(out)
             with guards.judged():
