@@ -25,7 +25,7 @@ def _owner_image(ax, owners: np.ndarray, programs: int, title: str, labels) -> N
 
 def _outside_note(owners: dict, what: str, verb: str) -> str:
     count = owners.get("outside", {}).get(what, -1)
-    return f"; {count} lanes {verb} outside {what}: a missing mask" if count > 0 else ""
+    return f"\n{count} lanes {verb} outside {what}: a missing mask" if count > 0 else ""
 
 
 def program_map(vector: dict, tile: dict):
