@@ -3,8 +3,9 @@ student's kernel (:meth:`Guards.launch`), so that a missing mask is caught and n
 
 In Triton's interpreter (CPU) every launch of a student's kernel is observed
 (:func:`~lessonlib.exercises._observe.launch_observed`): each load and store is recorded, a lane outside its
-tensor is named and never performed, and the outputs compared are certified to hold what the kernel's own stores
-wrote. On a GPU nothing can be recorded, and the guard zones below are what catch a missing mask:
+tensor is named (performed only inside memory the tensor's own buffer owns: a guard zone below), and the outputs
+compared are certified to hold what the kernel's own stores wrote (:meth:`Guards.certify`). On a GPU nothing can
+be recorded, and the guard zones below are what catch a missing mask (:data:`GPU_NOTE` says so once):
 
 a store past a tensor's end writes into whatever the process keeps there (in the interpreter, without the
 recorder, the notebook's kernel would die: ``free(): invalid pointer``). So every tensor a kernel exercise's kernel
@@ -179,8 +180,9 @@ class Guards:
                 after.copy_(old_after)
 
     def run(self, launch, outputs=lambda result: result):
-        """``launch()`` (the call under check), then check the guards. ``outputs(result)``: the tensors it produced
-        (a tensor or a tuple; in-place outputs included). If they hold NaN, repeat the launch with every float
+        """``launch()`` (the call under check), then check the guards; in the interpreter, certify the launch
+        (the recorder named any access outside a tensor already). On a GPU: ``outputs(result)``: the tensors it
+        produced (a tensor or a tuple; in-place outputs included). If they hold NaN, repeat the launch with every float
         input's guards at 0: if the output changes, the kernel read outside an input, and one more launch per input
         (its guards NaN again, the others' 0) names which. A stub's untouched NaN output costs one more launch."""
 
