@@ -39,7 +39,7 @@ def test_solution_passes_stub_and_bypass_fail(puzzle, capsys):
 
 PLANTED = [  # puzzle, (old, new), what the message must name
     ("scale_add", ("(alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)", "(alpha * x + y).to(out_ptr.dtype.element_ty))"),
-     "stored .* values outside out.*mask=offsets < n"),
+     "outside out were written.*line 14 of my_scale_add_kernel.*mask=offsets < n"),
     ("scale_add", ("offsets = tl.program_id(0) * BLOCK", "offsets = (tl.program_id(0) + 1) * BLOCK"),
      "one program late"),
     ("scale_add", ("offsets = tl.program_id(0) * BLOCK + tl.arange", "offsets = tl.program_id(0) + tl.arange"),
@@ -47,7 +47,7 @@ PLANTED = [  # puzzle, (old, new), what the message must name
     ("scale_add", ("(alpha * x + y)", "(x + y)"), "ignores alpha"),
     ("transpose", ("rows[:, None] * stride_xm", "rows[:, None] * N"), "loaded x's padding.*stride_xm"),
     ("transpose", ("mask = (rows[:, None] < M) & (cols[None, :] < N)", "mask = cols[None, :] < N"),
-     "stored .* values outside out.*both dimensions"),
+     "outside out were written.*missing mask.*both dimensions"),
     ("transpose", ("rows = tl.program_id(0) * BLOCK_M", "rows = tl.program_id(1) * BLOCK_M"), "never stored"),
     ("row_sum", ("for start in range(0, N, BLOCK_N):", "for start in range(0, BLOCK_N, BLOCK_N):"),
      "sums only the first BLOCK_N"),
@@ -74,7 +74,8 @@ def test_launchers_refuse_bad_input_before_launching():
 
 def test_program_owners_is_measured_on_the_kernel():
     """The figure's data: the right kernel gives each block to its program and leaves padding unread; a kernel
-    without its store mask shows writes into the guard past the end; a wrong stride shows reads of the padding."""
+    without its store mask shows writes past the end (recorded, not performed: this process goes on); a wrong
+    stride shows reads of the padding."""
     name = "my_scale_add_kernel"
     source = solution_source(NOTEBOOK, name)
     vector = exercises.program_owners(kernel(source, name), "scale_add", 20, block=dict(BLOCK=8))
@@ -82,21 +83,30 @@ def test_program_owners_is_measured_on_the_kernel():
     assert vector["out"][guard:guard + 20].tolist() == [i // 8 for i in range(20)]
     assert vector["x"][guard:guard + 20].tolist() == [i // 8 for i in range(20)]
     assert (vector["out"][guard + 20:] == -1).all() and (vector["out"][:guard] == -1).all()
+    assert not vector["findings"] and vector["outside"] in ({"x": 0, "out": 0}, {"x": -1, "out": -1})
     unmasked = mutated(source, "(alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)",
                        "(alpha * x + y).to(out_ptr.dtype.element_ty))")
     spilled = exercises.program_owners(kernel(unmasked, name), "scale_add", 20, block=dict(BLOCK=8))
     assert spilled["out"][guard + 20:guard + 24].tolist() == [2, 2, 2, 2]  # the last program's lanes 20..23
+    if not runtime.on_gpu():
+        assert spilled["outside"]["out"] == 4 and "outside out were written" in spilled["findings"][0]
 
     name = "my_transpose_kernel"
     source = solution_source(NOTEBOOK, name)
     tile = exercises.program_owners(kernel(source, name), "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
     rows, cols = torch.arange(6)[:, None], torch.arange(10)[None, :]
-    assert torch.equal(tile["x"][:, :10], (rows // 4) * 3 + cols // 4)
+    assert torch.equal(tile["x"][:6, :10], (rows // 4) * 3 + cols // 4)
     assert (tile["x"][:, 10:] == -1).all() and (tile["out"][:, 6:] == -1).all()
-    assert torch.equal(tile["out"][:, :6], tile["x"][:, :10].T)
+    assert (tile["x"][6:] == -1).all() and (tile["out"][10:] == -1).all()  # nothing past the end
+    assert torch.equal(tile["out"][:10, :6], tile["x"][:6, :10].T)
     strided = kernel(mutated(source, "rows[:, None] * stride_xm", "rows[:, None] * N"), name)
     wrong = exercises.program_owners(strided, "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
     assert (wrong["x"][:, 10:] >= 0).any()  # rows taken N apart reach into the padding
+    no_masks = kernel(source.replace(", mask=mask)", ")"), name)  # what the lesson invites: remove the masks
+    reach = exercises.program_owners(no_masks, "transpose", (6, 10), block=dict(BLOCK_M=4, BLOCK_N=4))
+    assert (reach["x"][6:8, :12] >= 0).all()  # rows 6, 7 of the last row of tiles, columns up to 11
+    if not runtime.on_gpu():
+        assert reach["outside"]["x"] > 0 and reach["outside"]["out"] > 0
 
 
 # --- "Predict, then measure" (lessons 01, 02, 03, 05) ---------------------------------------------------------
@@ -172,7 +182,7 @@ DKDV_PLANTED = [  # (old, new), what the message must name
     (("for start_m in range(0, n_q, BLOCK_M):", "for start_m in range(0, BLOCK_M, BLOCK_M):"),
      "first query tile only"),
     (("dk.to(dk_ptr.dtype.element_ty), mask=key_rows)", "dk.to(dk_ptr.dtype.element_ty))"),
-     "stored .* values outside dk.*keys < n_kv"),
+     "outside dk were written.*missing mask.*keys < n_kv"),
 ]
 
 

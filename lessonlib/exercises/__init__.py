@@ -7,7 +7,8 @@ The notebooks also run these checkers on lessonlib's own kernels, so a broken li
 One module per lesson; every checker and launcher is re-exported here (``exercises.check_x(...)``,
 ``from lessonlib.exercises import check_x``), which is how notebooks, tests and the grader call them:
 
-* :mod:`~lessonlib.exercises.triton_basics` (00, the Triton on-ramp), :mod:`~lessonlib.exercises.operator_fusion` (01),
+* :mod:`~lessonlib.exercises.triton_basics` (00, the Triton on-ramp) and :mod:`~lessonlib.exercises.addresses` (its
+  address figure's data), :mod:`~lessonlib.exercises.operator_fusion` (01),
   :mod:`~lessonlib.exercises.flash_attention` and :mod:`~lessonlib.exercises.flash_backward` (02),
   :mod:`~lessonlib.exercises.paged_attention` and :mod:`~lessonlib.exercises.rope_store_kv` (03),
   :mod:`~lessonlib.exercises.torch_compile` (04), :mod:`~lessonlib.exercises.cuda_graphs` (05),
@@ -16,8 +17,11 @@ One module per lesson; every checker and launcher is re-exported here (``exercis
 * :mod:`~lessonlib.exercises._checking`: what they share (:class:`ExerciseFailed`; :func:`reported`, which shows
   it in a student copy without stopping "Run all"; poisoned calls, the tolerance check, the diagnosis of known
   kernel mistakes);
-* :mod:`~lessonlib.exercises._guards`: the guard zones every kernel exercise's tensors sit in, so that a missing
-  mask is named instead of corrupting memory.
+* :mod:`~lessonlib.exercises._observe` (with :mod:`~lessonlib.exercises._recording`): the one way a student's
+  kernel is launched, certified and observed: every load and store recorded in the interpreter, an access outside
+  its tensor named and never performed, the outputs compared certified to hold what the kernel's stores wrote;
+* :mod:`~lessonlib.exercises._guards`: the guard zones every kernel exercise's tensors sit in on a GPU, so that a
+  missing mask is named instead of corrupting memory, and :meth:`~lessonlib.exercises._guards.Guards.launch`.
 """
 
 from lessonlib.exercises._checking import ExerciseFailed, reported
@@ -37,8 +41,9 @@ from lessonlib.exercises.rope_store_kv import (ROPE_CASES, ROPE_STORE_KV_CASES, 
                                                check_rope_store_kv_kernel, rope, rope_store_kv, rope_store_kv_bytes)
 from lessonlib.exercises.serving_engine import check_can_admit, check_prompt_chunks, check_top_p_filter
 from lessonlib.exercises.torch_compile import check_no_graph_break
+from lessonlib.exercises.addresses import program_owners
 from lessonlib.exercises.triton_basics import (check_row_sum_kernel, check_scale_add_kernel, check_transpose_kernel,
-                                               program_owners, row_sum, scale_add, transpose)
+                                               row_sum, scale_add, transpose)
 from lessonlib.exercises.vllm_blocks import check_blocks_needed
 
 __all__ = ["ADD_RMS_NORM_SHAPES", "ExerciseFailed", "FLASH_DKDV_CASES", "FLASH_FORWARD_CASES", "GRAPH_SAFE_STEPS",

@@ -13,6 +13,7 @@ the output NaN or zero: both are reported as "not implemented yet".
 from __future__ import annotations
 
 import os
+import re
 import sys
 from contextlib import contextmanager
 
@@ -30,6 +31,8 @@ class ExerciseFailed(AssertionError):
     fails (an instructor notebook's nbval run too), ``pytest.raises`` sees it, and the grader
     (:mod:`lessonlib.grading`) reads its name and message; a student copy's checker cell shows it instead
     (:func:`reported`)."""
+
+    named = False  # True when the message names a known mistake (else a recorded read outside is named instead)
 
     def _render_traceback_(self) -> list[str]:
         lines = str(self).splitlines() or [""]
@@ -53,14 +56,13 @@ def reported(stub: str):
         print(first.replace("✗ ", f"✗ {stub}: ", 1), *rest, sep="\n", file=sys.stderr)
 
 
-def _require_kernel(name: str, kernel, written_as: str) -> None:
-    """Kernel exercises take the student's @triton.jit kernel itself and launch it: a Python function (a wrapper
-    computing in PyTorch, say) is refused before anything runs."""
-    if not (hasattr(kernel, "fn") and hasattr(type(kernel), "__getitem__")):
-        raise ExerciseFailed(
-            f"{name}: pass your @triton.jit kernel ({written_as}), not {type(kernel).__name__} "
-            f"{getattr(kernel, '__name__', '')!s}: the checker launches the kernel itself, so only what the kernel "
-            "writes is checked (a function computing the answer in PyTorch is not the exercise).")
+def _require_kernel(name: str, kernel, written_as: str = "") -> None:
+    """Kernel exercises take the student's own @triton.jit kernel and launch it: anything else (a Python function,
+    a look-alike object, a subclass, lessonlib's kernel) is refused before anything runs
+    (:func:`~lessonlib.exercises._observe.certify_kernel`)."""
+    from lessonlib.exercises._observe import certify_kernel
+
+    certify_kernel(name, kernel)
 
 
 def _describe(args) -> str:
@@ -77,10 +79,33 @@ def _call(name: str, fn, args):
     except NotImplementedError as e:
         raise ExerciseFailed(f"{name}: not implemented yet ({str(e) or 'NotImplementedError'}). Fill in the stub.") from None
     except Exception as e:  # the student's bug: say where it happened
-        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {e}") from e
+        raise _student_error(name, e, args) from e
 
 
-def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, allowance: float = 0.0) -> None:
+_MISSING_CAST = (  # (what Triton says, in 3.6 and 3.9, the named mistake)
+    (re.compile(r"Expected dtype \[.*fp32.*\] but got (\w+)"),
+     "a math function (tl.exp, tl.sigmoid, tl.rsqrt, ...) got {0} values, and it takes float32: a missing cast. "
+     "Convert what you load, x = tl.load(...).to(tl.float32), and convert the result back when storing, "
+     ".to(out_ptr.dtype.element_ty)"),
+    (re.compile(r"Both operands must be same dtype\. Got (\w+) and (\w+)"),
+     "tl.dot got operands of two dtypes, {0} and {1}: a missing cast. Cast one to the other's dtype, e.g. "
+     "tl.dot(p.to(v.dtype), v)"),
+)
+
+
+def _student_error(name: str, e: Exception, args) -> ExerciseFailed:
+    """The student's exception as one line: a known mistake named (a missing cast), else where it happened."""
+    text = str(e)
+    for pattern, explanation in _MISSING_CAST:
+        found = pattern.search(text)
+        if found:
+            return _named(f"{name}: on {_describe(args)}, {explanation.format(*found.groups())}.")
+    first_line = text.splitlines()[0] if text else ""
+    return ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {first_line}")
+
+
+def _check_written(name: str, out, truth: torch.Tensor, args) -> None:
+    """``out`` is a tensor of the truth's shape, every element written (poisoned outputs start NaN)."""
     if not isinstance(out, torch.Tensor):
         raise ExerciseFailed(f"{name} returned {type(out).__name__}; expected a torch.Tensor")
     if tuple(out.shape) != tuple(truth.shape):
@@ -90,7 +115,8 @@ def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, 
         if written == 0:
             raise ExerciseFailed(
                 f"{name}: not implemented yet: the kernel wrote none of the output (every element is still NaN, "
-                "the value these checks fill new outputs with). Fill in the kernel body."
+                "the value these checks fill new outputs with). Write the kernel's body where it says YOUR CODE "
+                "HERE."
             )
         if written < out.numel():
             first = tuple(int(i) for i in torch.isnan(out).nonzero()[0])
@@ -98,6 +124,10 @@ def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, 
                 f"{name} wrote only {written} of {out.numel()} output elements for {_describe(args)} (first one "
                 f"missing at index {first}): does your grid cover every row and block, and your mask every column?"
             )
+
+
+def _check_output(name: str, out, truth: torch.Tensor, low: torch.Tensor, args, allowance: float = 0.0) -> None:
+    _check_written(name, out, truth, args)
     try:
         check_close(name, out, truth, low, allowance=allowance)
     except AssertionError as e:
@@ -116,11 +146,12 @@ def _not_implemented_output(name: str, out: torch.Tensor, truth: torch.Tensor) -
 
 
 def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tensor, mistakes, where: str,
-              allowance: float = 0.0) -> None:
+              allowance: float = 0.0, advice: str = "") -> None:
     """Pass if ``out`` is within the tolerance rule of ``truth``; else name the closest known mistake whose float64
     output ``out`` matches (within the same tolerance) and which differs from the truth, else report the error.
     ``mistakes``: (explanation, float64 output) pairs, or a callable returning them (computed only on failure).
-    ``allowance``: attention's score roundings (``testing.attention_allowance``)."""
+    ``allowance``: attention's score roundings (``testing.attention_allowance``); ``advice``: a last line for a
+    failure that matches no known mistake."""
     try:
         check_close(name, out, truth, low, allowance=allowance)
         return
@@ -128,6 +159,7 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
         failure = str(e)
     if out.isnan().any():
         raise ExerciseFailed(f"{failure}\n  on {where}")
+    failure = f"{failure}\n  on {where}" + (f". {advice}" if advice else "")
     from lessonlib.testing import tolerance
 
     truth = truth.cpu()  # a GPU run's float64 truth, beside the CPU copies below
@@ -146,5 +178,12 @@ def _diagnose(name: str, out: torch.Tensor, truth: torch.Tensor, low: torch.Tens
         # The closest known mistake: on a tiny input two mistakes can both lie within the band (at head_dim 2 a
         # flipped sign of sin and a wrong second half differ by 2 * x2 * sin, below 2% of x1 * sin in ~1% of draws).
         explanation = min(matches, key=lambda m: m[0])[1]
-        raise ExerciseFailed(f"{name}: wrong values on {where}. They are what {explanation}")
-    raise ExerciseFailed(f"{failure}\n  on {where}")
+        raise _named(f"{name}: wrong values on {where}. They are what {explanation}")
+    raise ExerciseFailed(failure)
+
+
+def _named(message: str) -> ExerciseFailed:
+    """A failure naming a known mistake: shown even where the launch also read outside a tensor."""
+    failure = ExerciseFailed(message)
+    failure.named = True
+    return failure

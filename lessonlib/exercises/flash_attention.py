@@ -11,7 +11,7 @@ import torch
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
                                            _require_kernel)
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, check_close, to_float64
 
 
@@ -121,7 +121,6 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
-    from lessonlib.ops._common import launch
     from lessonlib.ops.flash_attention import check_inputs
 
     check_inputs(q, k, v)
@@ -131,7 +130,7 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
     with launch_guards("flash_forward", guards) as guards:
         out = output_like(guards, "out", q)
-        launch(kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
+        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
                CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
     return out
 
@@ -239,17 +238,18 @@ def check_flash_forward_kernel(kernel) -> None:
             q, k, v = (guards.place(name, t) for name, t in (("q", q), ("k", k), ("v", v)))
             out = guards.run(lambda: _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=causal,
                                                                                      guards=guards), (q, k, v)))
-            if not isinstance(out, torch.Tensor) or out.shape != q.shape:
-                raise ExerciseFailed(f"flash_forward returned {getattr(out, 'shape', out)!r}; expected {tuple(q.shape)}")
-            truth = reference.attention(*to_float64(q, k, v), causal=causal)
-            if out.isnan().all():
-                raise ExerciseFailed("flash_forward: not implemented yet: the kernel stored nothing (the output is "
-                                     "still NaN, as these checks fill it). Fill in the kernel body.")
-            _not_implemented_output("flash_forward", out, truth)
-            q64, k64, v64 = (t.cpu() for t in to_float64(q, k, v))
-            _diagnose("flash_forward", out, truth, reference.attention(q, k, v, causal=causal),
-                      lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
-                      attention_allowance(q, k, v))
+            with guards.judged():
+                if not isinstance(out, torch.Tensor) or out.shape != q.shape:
+                    raise ExerciseFailed(f"flash_forward returned {getattr(out, 'shape', out)!r}; expected {tuple(q.shape)}")
+                truth = reference.attention(*to_float64(q, k, v), causal=causal)
+                if out.isnan().all():
+                    raise ExerciseFailed("flash_forward: not implemented yet: the kernel stored nothing (the output is "
+                                         "still NaN, as these checks fill it). Fill in the kernel body.")
+                _not_implemented_output("flash_forward", out, truth)
+                q64, k64, v64 = (t.cpu() for t in to_float64(q, k, v))
+                _diagnose("flash_forward", out, truth, reference.attention(q, k, v, causal=causal),
+                          lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
+                          attention_allowance(q, k, v))
     _check_causal_tiles_skipped(kernel)
     print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
@@ -258,19 +258,45 @@ def check_flash_forward_kernel(kernel) -> None:
 
 
 def _check_causal_tiles_skipped(kernel) -> None:
-    """With CAUSAL, the first query tile must not visit the key tiles above the diagonal: its loop stops at the
-    tile holding key ``key_tile_bound`` - 1 (exercise 2). Those keys' K and V are set to NaN: a kernel that skips
-    never loads them and its first tile's output is exact; one that visits them and only masks the scores loads
-    the NaN V and multiplies it by p = 0, and NaN * 0 is NaN (in the interpreter and on a GPU alike). Later query
-    tiles do see those keys (their output is NaN here, and not checked)."""
+    """With CAUSAL, no program may visit a key tile above the diagonal: a tile whose first key none of the program's
+    queries can see (the loop stops at ``key_tile_bound``, exercise 2). In the interpreter the launch's loads are
+    recorded: every tile a program loaded K or V from (masked lanes included: the loop still ran) is counted. On a
+    GPU, where nothing is recorded, those keys' K and V are NaN instead: a kernel that visits them and only masks the
+    scores multiplies NaN by p = 0 and NaN reaches the first query tile's output (NaN * 0 is NaN)."""
     config = flash_forward_config()
     block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
     n_q = n_kv = 4 * block_m + 5  # several query tiles; the first sees keys 0 .. BLOCK_M - 1 only
-    first_skipped = -(-block_m // block_n) * block_n  # the first key tile past the first query tile's bound
     from lessonlib.ops.flash_attention import flash_attention_dtypes
 
     # The first dtype the checks above use (float32 here; on a GPU float16: a float32 tl.dot runs in TF32 there).
     q, k, v = _inputs((1, 2, n_q, 16), (1, 1, n_kv, 16), (1, 1, n_kv, 16), dtype=flash_attention_dtypes()[0])
+    if runtime.on_gpu():
+        return _causal_tiles_skipped_on_gpu(kernel, q, k, v, block_m, block_n)
+    guards = Guards("flash_forward")
+    _call("flash_forward", lambda *a: flash_forward(kernel, *a, causal=True, guards=guards), (q, k, v))
+    obs = guards.observations[-1]
+    above = []
+    for name in ("k", "v"):
+        for program, offset in obs.tensors[name].visited.tolist():
+            tile_m, _, _ = obs.programs[program]
+            last_row = min((tile_m + 1) * block_m, n_q) - 1
+            key = (offset // 16) % n_kv
+            if (key // block_n) * block_n > last_row + n_kv - n_q:
+                above.append((program, key // block_n, tile_m, last_row, key))
+    if above:
+        program, tile, tile_m, last_row, _ = min(above)
+        keys = [a[4] for a in above if a[0] == program]
+        raise ExerciseFailed(
+            f"flash_forward: with CAUSAL your kernel visited {len({a[:2] for a in above})} key tiles above the "
+            f"diagonal (Nq = Nkv = {n_q}, BLOCK_M = {block_m}, BLOCK_N = {block_n}): program {tuple(obs.programs[program][:2])}, "
+            f"queries {tile_m * block_m}..{last_row}, loaded K or V of keys {min(keys)}..{max(keys)}, which none of its "
+            "queries can see. Masking them (the scores, V's load mask, or tl.where on V) gives the right values "
+            "but does all the work; stop the loop at hi = min(start_m + BLOCK_M, Nq) + Nkv - Nq (exercise 2).")
+
+
+def _causal_tiles_skipped_on_gpu(kernel, q, k, v, block_m: int, block_n: int) -> None:
+    n_q, n_kv = q.shape[2], k.shape[2]
+    first_skipped = -(-block_m // block_n) * block_n  # the first key tile past the first query tile's bound
     truth = reference.attention(*to_float64(q, k, v), causal=True)[:, :, :block_m]
     low = reference.attention(q, k, v, causal=True)[:, :, :block_m]
     allowance = attention_allowance(q, k, v)

@@ -18,8 +18,9 @@ import math
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _not_implemented_output
-from lessonlib.exercises.triton_basics import _require_kernel, _run, check_guards, guarded
+from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _not_implemented_output, _require_kernel
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
+from lessonlib.exercises.triton_basics import _run, check_guards, guarded
 from lessonlib.testing import ROUNDINGS, to_float64
 
 # (batch, heads, n_q, n_kv, head_dim): ragged tiles, Nq != Nkv, several tiles each way, and one key last: a single
@@ -48,14 +49,14 @@ def saved_statistics(q, k, v, grad_out):
 
 
 def flash_dkdv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_out: torch.Tensor,
-               config: dict | None = None):
+               config: dict | None = None, guards: Guards | None = None):
     """Launch the exercise's kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, n_q, n_kv,
     sm_scale, BLOCK_M, BLOCK_N, HEAD_DIM) on a grid of (Nkv / BLOCK_N, B * H). q, grad_out: (B, H, Nq, D); k, v:
     (B, H, Nkv, D), as many heads as q (no GQA here), all contiguous after this call. Returns (dk, dv) like k; both
-    sit in guarded buffers, and a store outside them fails."""
+    sit in guarded buffers, and a store outside them fails. ``guards``: the checker's
+    (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
-    from lessonlib.ops._common import launch
     from lessonlib.ops.flash_attention import check_inputs
 
     check_inputs(q, k, v)
@@ -71,8 +72,11 @@ def flash_dkdv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grad_o
     grads = [guarded(1, k.numel(), k.dtype, guard) for _ in range(2)]
     (dk, dk_buffer), (dv, dv_buffer) = ((view[0].view(k.shape), buffer) for view, buffer in grads)
     grid = (triton.cdiv(n_kv, config["BLOCK_N"]), batch * heads)
-    launch(kernel, grid, q, k, v, grad_out, lse, delta, dk, dv, n_q, n_kv, head_dim ** -0.5, HEAD_DIM=head_dim,
-           **config)
+    with launch_guards("flash_dkdv", guards) as guards:
+        if guards is not None:
+            dk, dv = guards.track(dk, output=True), guards.track(dv, output=True)
+        launch_kernel(guards, "flash_dkdv", kernel, grid, q, k, v, grad_out, lse, delta, dk, dv, n_q, n_kv,
+                      head_dim ** -0.5, HEAD_DIM=head_dim, **config)
     for name, view, buffer in (("dk", dk, dk_buffer), ("dv", dv, dv_buffer)):
         check_guards("flash_dkdv", name, view.view(-1), buffer, "Mask the stores with keys < n_kv.")
     return dk, dv
@@ -128,24 +132,27 @@ def check_flash_dkdv_kernel(kernel) -> None:
             q, grad_out = (torch.randn(batch, heads, n_q, head_dim, device=runtime.device()).to(dtype) for _ in "qo")
             k, v = (torch.randn(batch, heads, n_kv, head_dim, device=runtime.device()).to(dtype) for _ in "kv")
             where = f"q {tuple(q.shape)}, k/v {tuple(k.shape)}, {str(dtype).removeprefix('torch.')}"
-            dk, dv = _run("flash_dkdv", lambda: flash_dkdv(kernel, q, k, v, grad_out), (q, k, v))
-            truth = [t.requires_grad_() for t in to_float64(q, k, v)]
-            reference.attention(*truth).backward(grad_out.double())
-            low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
-            reference.attention(*low).backward(grad_out)
-            q64, k64, v64, do64 = (t.detach().cpu() for t in (*truth, grad_out.double()))
-            terms = _magnitudes(q64, k64, v64, do64)
-            mistakes = _mistakes(q64, k64, v64, do64, flash_dkdv_config()["BLOCK_M"])
-            # dV first: it has no cancellation, so a wrong P shows there even where dK's truth is 0 (one key)
-            for name, got, want, lowp, index in (("dv", dv, truth[2].grad, low[2].grad, 2),
-                                                 ("dk", dk, truth[1].grad, low[1].grad, 1)):
-                if got.isnan().all():
-                    raise ExerciseFailed(f"flash_dkdv: not implemented yet: the kernel stored no {name} (it is still "
-                                         "NaN, as the checker fills it).")
-                _not_implemented_output(f"flash_dkdv {name}", got, want)
-                allowance = ROUNDINGS * torch.finfo(dtype).eps * terms[name]  # the cancelling terms' roundings
-                _diagnose(f"flash_dkdv {name}", got.cpu(), want.cpu(), lowp.cpu(),
-                          [(m[0], m[index]) for m in mistakes], where, allowance)
+            guards = Guards("flash_dkdv", "store dK and dV for its tile of keys", {"dk": "Mask the stores with keys < n_kv.", "dv": "Mask the stores with keys < n_kv."})
+            dk, dv = _run("flash_dkdv", lambda: flash_dkdv(kernel, q, k, v, grad_out, guards=guards), (q, k, v))
+            guards.certify(dk, dv)
+            with guards.judged():
+                truth = [t.requires_grad_() for t in to_float64(q, k, v)]
+                reference.attention(*truth).backward(grad_out.double())
+                low = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+                reference.attention(*low).backward(grad_out)
+                q64, k64, v64, do64 = (t.detach().cpu() for t in (*truth, grad_out.double()))
+                terms = _magnitudes(q64, k64, v64, do64)
+                mistakes = _mistakes(q64, k64, v64, do64, flash_dkdv_config()["BLOCK_M"])
+                # dV first: it has no cancellation, so a wrong P shows there even where dK's truth is 0 (one key)
+                for name, got, want, lowp, index in (("dv", dv, truth[2].grad, low[2].grad, 2),
+                                                     ("dk", dk, truth[1].grad, low[1].grad, 1)):
+                    if got.isnan().all():
+                        raise ExerciseFailed(f"flash_dkdv: not implemented yet: the kernel stored no {name} (it is still "
+                                             "NaN, as the checker fills it).")
+                    _not_implemented_output(f"flash_dkdv {name}", got, want)
+                    allowance = ROUNDINGS * torch.finfo(dtype).eps * terms[name]  # the cancelling terms' roundings
+                    _diagnose(f"flash_dkdv {name}", got.cpu(), want.cpu(), lowp.cpu(),
+                              [(m[0], m[index]) for m in mistakes], where, allowance)
     print(f"flash_dkdv: your kernel's dK and dV match float64 autograd on {len(FLASH_DKDV_CASES)} shapes (N = 1 to 45, "
           f"Nq != Nkv) in {', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import torch
 
+from contextlib import nullcontext
+
 from lessonlib import reference, runtime, testing
-from lessonlib.exercises._checking import ExerciseFailed, _call, _check_output, _inputs, _require_kernel
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._checking import (ExerciseFailed, _call, _check_output, _check_written, _describe, _diagnose,
+                                           _inputs)
+from lessonlib.exercises._observe import certify_kernel
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
 
 
@@ -26,7 +30,7 @@ def swiglu(kernel, gate: torch.Tensor, up: torch.Tensor, guards: Guards | None =
     like ``gate``. ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
-    from lessonlib.ops._common import check_tensors, launch
+    from lessonlib.ops._common import check_tensors
 
     check_tensors("swiglu", gate=gate, up=up)
     if gate.shape != up.shape:
@@ -35,7 +39,7 @@ def swiglu(kernel, gate: torch.Tensor, up: torch.Tensor, guards: Guards | None =
     with launch_guards("swiglu", guards) as guards:
         out = output_like(guards, "out", gate)
         if gate.numel():
-            launch(kernel, (triton.cdiv(gate.numel(), SWIGLU_BLOCK),), gate, up, out, gate.numel(), BLOCK=SWIGLU_BLOCK)
+            launch_kernel(guards, "swiglu", kernel, (triton.cdiv(gate.numel(), SWIGLU_BLOCK),), gate, up, out, gate.numel(), BLOCK=SWIGLU_BLOCK)
     return out
 
 
@@ -44,7 +48,7 @@ def add_rms_norm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.
     """Launch the exercise's add + RMSNorm kernel, one program per row of the contiguous (rows, n_cols) inputs:
     ``kernel[(rows,)](x, residual, weight, out, residual_out, n_cols, eps, BLOCK=next_power_of_2(n_cols))``.
     Returns ``(out, residual_out)``, each like ``x``."""
-    from lessonlib.ops._common import check_tensors, launch, next_power_of_2
+    from lessonlib.ops._common import check_tensors, next_power_of_2
 
     check_tensors("add_rms_norm", x=x, residual=residual, weight=weight)
     if x.shape != residual.shape or x.dim() < 1 or weight.shape != x.shape[-1:]:
@@ -55,7 +59,7 @@ def add_rms_norm(kernel, x: torch.Tensor, residual: torch.Tensor, weight: torch.
     with launch_guards("add_rms_norm", guards) as guards:
         out, residual_out = output_like(guards, "out", x), output_like(guards, "residual_out", x)
         if x.numel():
-            launch(kernel, (x.numel() // n_cols,), x, residual, weight, out, residual_out, n_cols, eps,
+            launch_kernel(guards, "add_rms_norm", kernel, (x.numel() // n_cols,), x, residual, weight, out, residual_out, n_cols, eps,
                    BLOCK=next_power_of_2(n_cols))
     return out, residual_out
 
@@ -67,7 +71,7 @@ def _library_op_or_kernel(name: str, kernel, op, written_as: str) -> None:
     if (kernel is None) == (op is None):
         raise TypeError(f"check_{name}: pass your @triton.jit kernel ({written_as}), or op= a whole op (lessonlib's)")
     if kernel is not None:
-        _require_kernel(name, kernel, written_as)
+        certify_kernel(name, kernel)
 
 
 def check_swiglu(kernel=None, *, op=None) -> None:
@@ -81,11 +85,11 @@ def check_swiglu(kernel=None, *, op=None) -> None:
             if op is not None:
                 out = _call("swiglu", op, (gate, up))
             else:
-                guards = Guards("swiglu")
+                guards = Guards("swiglu", "store silu(gate) * up = gate * sigmoid(gate) * up for its BLOCK elements")
                 gate, up = guards.place("gate", gate), guards.place("up", up)
                 out = guards.run(lambda: _call("swiglu", lambda g, u: swiglu(kernel, g, u, guards), (gate, up)))
-            _check_output("swiglu", out, reference.swiglu(*to_float64(gate, up)), reference.swiglu(gate, up), (gate, up),
-                          testing.swiglu_allowance(gate, up))
+            with guards.judged() if op is None else nullcontext():
+                _check_swiglu_output(out, gate, up)
     what = "lessonlib's op" if op is not None else "your kernel"
     print(f"✓ swiglu: {what} matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
 
@@ -101,21 +105,64 @@ def check_add_rms_norm(kernel=None, *, op=None) -> None:
             if op is not None:
                 result = _call("add_rms_norm", op, (x, residual, weight, 1e-6))
             else:
-                guards = Guards("add_rms_norm")
+                guards = Guards("add_rms_norm", "store its row of residual_out = x + residual and of out = weight * RMSNorm(x + residual)")
                 x, residual, weight = (guards.place(w, t) for w, t in (("x", x), ("residual", residual),
                                                                         ("weight", weight)))
                 result = guards.run(lambda: _call("add_rms_norm", lambda *a: add_rms_norm(kernel, *a, guards=guards),
                                                   (x, residual, weight, 1e-6)))
-            args = (x, residual, weight, 1e-6)
-            if not (isinstance(result, tuple) and len(result) == 2):
-                raise ExerciseFailed(f"add_rms_norm returned {type(result).__name__}; expected a tuple (normalized, updated_residual)")
-            truth = reference.add_rms_norm(*to_float64(x, residual, weight), 1e-6)
-            low = reference.add_rms_norm(x, residual, weight, 1e-6)
-            _check_output("add_rms_norm: updated_residual", result[1], truth[1], low[1], args)
-            _check_output("add_rms_norm: normalized", result[0], truth[0], low[0], args,
-                          testing.rms_norm_allowance(truth[0]))
+            with guards.judged() if op is None else nullcontext():
+                _check_add_rms_norm_output(result, x, residual, weight)
     what = "lessonlib's op" if op is not None else "your kernel"
     print(f"✓ add_rms_norm: {what} matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
+
+
+ROUND_ONCE = "Compute in float32 and round once when storing."
+
+
+def _check_swiglu_output(out, gate, up) -> None:
+    """Written, then right, else the known wrong formula it matches (in float64)."""
+    truth = reference.swiglu(*to_float64(gate, up))
+    _check_written("swiglu", out, truth, (gate, up))
+    g, u = (t.double().cpu() for t in (gate, up))
+    mistakes = [("sigmoid(gate) * up gives: silu(gate) = gate * sigmoid(gate), the gate times its own sigmoid",
+                 torch.sigmoid(g) * u),
+                ("silu(up) * gate gives: gate goes through silu, up is the plain factor", u * torch.sigmoid(u) * g),
+                ("gate * up gives: silu(gate) = gate * sigmoid(gate), not gate alone", g * u),
+                ("silu(gate) alone gives: multiply by up", g * torch.sigmoid(g)),
+                ("a sigmoid written 1 / (1 + exp(x)) gives: sigmoid(x) = 1 / (1 + exp(-x))",
+                 g / (1 + torch.exp(g)) * u)]
+    _diagnose("swiglu", out, truth, reference.swiglu(gate, up), mistakes, _describe((gate, up)),
+              testing.swiglu_allowance(gate, up), advice=ROUND_ONCE)
+
+
+def _check_add_rms_norm_output(result, x, residual, weight) -> None:
+    """Both outputs written, then right, else the known mistake they match (in float64)."""
+    args = (x, residual, weight, 1e-6)
+    if not (isinstance(result, tuple) and len(result) == 2):
+        raise ExerciseFailed(f"add_rms_norm returned {type(result).__name__}; expected a tuple (normalized, "
+                             "updated_residual)")
+    truth = reference.add_rms_norm(*to_float64(x, residual, weight), 1e-6)
+    low = reference.add_rms_norm(x, residual, weight, 1e-6)
+    _check_output("add_rms_norm: updated_residual", result[1], truth[1], low[1], args)
+    _check_written("add_rms_norm: normalized", result[0], truth[0], args)
+    h, w = truth[1].cpu(), weight.double().cpu()
+    n_cols = h.shape[-1]
+    block = 1 << (n_cols - 1).bit_length()  # the launcher's BLOCK: n_cols rounded up to a power of 2
+
+    def normed(mean_of_squares):
+        return h * torch.rsqrt(mean_of_squares + 1e-6)
+
+    squares = h.pow(2).sum(-1, keepdim=True)
+    mistakes = [(f"a mean of squares over BLOCK = {block} gives: divide the sum of squares by the row's length, "
+                 f"n_cols = {n_cols}, not by BLOCK (the masked lanes past n_cols add nothing to the sum)",
+                 w * normed(squares / block)),
+                ("RMSNorm without the weight gives: multiply by weight (loaded per column)", normed(squares / n_cols)),
+                ("RMSNorm of x alone gives: normalize h = x + residual, the updated residual",
+                 w * x.double().cpu() * torch.rsqrt(x.double().cpu().pow(2).mean(-1, keepdim=True) + 1e-6)),
+                ("dividing by the mean of squares (no square root) gives: multiply by rsqrt(mean + eps)",
+                 w * h / (squares / n_cols + 1e-6))]
+    _diagnose("add_rms_norm: normalized", result[0], truth[0], low[0], mistakes, _describe(args),
+              testing.rms_norm_allowance(truth[0]), advice=ROUND_ONCE)
 
 
 def check_apply_rope(fn) -> None:

@@ -9,7 +9,7 @@ import torch
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
                                            _require_kernel)
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, to_float64
 
 
@@ -31,7 +31,7 @@ def check_physical_slot(fn) -> None:
         if tuple(got) != want:
             raise ExerciseFailed(f"physical_slot({position}, {table}, block_size={block_size}) = {tuple(got)}, expected "
                                  f"{want}: logical block = position // block_size, then look it up in the table")
-    print(f"physical_slot: correct on {len(cases)} positions, including the seed's table 17 4 29 8")
+    print(f"physical_slot: correct on {len(cases)} positions, including the lesson's example table 17 4 29 8")
 
 
 def check_free_sequence(fn) -> None:
@@ -94,7 +94,6 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     block_size and D powers of two (tl.arange needs them); block_table (B, max_blocks) int32; seq_lens (B,) int32,
     each at least 1. Validated as lessonlib's kernel validates them, tables included. Returns (B, H, D).
     ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
-    from lessonlib.ops._common import launch
     from lessonlib.ops.paged_attention import check_inputs
 
     check_inputs(q, k_cache, v_cache, block_table, seq_lens)  # shapes, dtypes, devices, and the tables' range
@@ -103,7 +102,7 @@ def paged_decode(kernel, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     num_blocks, block_size, kv_heads, _ = k_cache.shape
     with launch_guards("paged_decode", guards) as guards:
         out = output_like(guards, "out", q)
-        launch(kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
+        launch_kernel(guards, "paged_decode", kernel, (batch, heads), q, k_cache, v_cache, block_table.contiguous(), seq_lens, out,
                block_table.shape[1], kv_heads, num_blocks * block_size * kv_heads, head_dim ** -0.5,
                GROUP=heads // kv_heads, PAGE_SIZE=block_size, HEAD_DIM=head_dim, num_warps=4)
     return out
@@ -200,13 +199,14 @@ def check_paged_decode_kernel(kernel) -> None:
             where = (f"{batch} sequences of {list(lengths)} tokens, {heads} query heads over {kv_heads} KV heads, "
                      f"block_size {block_size}, {str(dtype).removeprefix('torch.')}, block table {table.tolist()}")
             out = guards.run(lambda: _call("paged_decode", lambda *a: paged_decode(kernel, *a, guards=guards), args))
-            truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
-            if out.isnan().all():
-                raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")
-            _not_implemented_output("paged_decode", out, truth)
-            cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
-            _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
-                      lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
-                      attention_allowance(q, k_cache, v_cache))
+            with guards.judged():
+                truth = reference.paged_attention(*to_float64(q, k_cache, v_cache), table, seq_lens)
+                if out.isnan().all():
+                    raise ExerciseFailed("paged_decode: not implemented yet: the kernel stored nothing. Fill in the walk.")
+                _not_implemented_output("paged_decode", out, truth)
+                cpu64 = [t.cpu() for t in to_float64(q, k_cache, v_cache)]
+                _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
+                          lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
+                          attention_allowance(q, k_cache, v_cache))
     print(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
           "tables, GQA, block sizes 16 and 32, lengths 1-100), within tolerance of float64")

@@ -8,7 +8,7 @@ import torch
 
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _require_kernel
-from lessonlib.exercises._guards import Guards, launch_guards, output_like
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
 
 
@@ -37,15 +37,13 @@ def rope(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, guards: 
     keys as a projection returns them; cos, sin: (T, D), each token's angles (``reference.rope_cos_sin``).
     Returns x rotated, (T, H, D), as ``reference.apply_rope`` rotates it. ``guards``: the checker's
     (:mod:`~lessonlib.exercises._guards`)."""
-    from lessonlib.ops._common import launch
-
     _check_rope_args("rope", x, cos, sin)
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     sizes = _rope_launch_sizes(x.shape[1], x.shape[2])
     with launch_guards("rope", guards) as guards:
         out = output_like(guards, "out", x)
         if x.numel():
-            launch(kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes,
+            launch_kernel(guards, "rope", kernel, (x.shape[0],), x, cos, sin, out, x.shape[1], **sizes,
                    num_warps=1 if not runtime.on_gpu() else 4)
     return out
 
@@ -95,15 +93,16 @@ def check_rope_kernel(kernel) -> None:
     _require_kernel("rope", kernel, "my_rope_kernel")
     for dtype in runtime.supported_dtypes():
         for tokens, heads, head_dim in ROPE_CASES:
-            guards = Guards("rope")
+            guards = Guards("rope", "store its token's heads rotated: x * cos + rotate_half(x) * sin")
             x, cos, sin = (guards.place(name, t) for name, t in
                            zip(("x", "cos", "sin"), _rope_inputs(tokens, heads, head_dim, dtype)))
             where = f"x {tuple(x.shape)}, {str(dtype).removeprefix('torch.')}"
             out = guards.run(lambda: _call("rope", lambda *a: rope(kernel, *a, guards=guards), (x, cos, sin)))
-            truth = _rope_reference(*to_float64(x, cos, sin))
-            _check_output_written("rope", out, truth, where)
-            cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
-            _diagnose("rope", out, truth, _rope_reference(x, cos, sin), lambda: _rope_mistakes(*cpu64), where)
+            with guards.judged():
+                truth = _rope_reference(*to_float64(x, cos, sin))
+                _check_output_written("rope", out, truth, where)
+                cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
+                _diagnose("rope", out, truth, _rope_reference(x, cos, sin), lambda: _rope_mistakes(*cpu64), where)
     print(f"rope: your kernel matches reference.apply_rope on {len(ROPE_CASES)} shapes (head_dim 2 to 80) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 
@@ -127,9 +126,7 @@ def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
     """Launch the exercise's fused kernel, one program per new token: rotate q (returned) and k, and write k and v
     straight into their cache slots. q: (T, H, D); k, v: (T, Hkv, D); cos, sin: (T, D); caches (num_blocks,
     block_size, Hkv, D) contiguous; slots: (T,) int64, distinct, inside the pool (checked, as store_kv checks)."""
-    from lessonlib.ops._common import launch
-
-    from lessonlib.ops._common import check_tensors
+    from lessonlib.ops._common import check_tensors, next_power_of_2
 
     check_tensors("rope_store_kv", q=q, k=k, v=v, cos=cos, sin=sin, k_cache=k_cache, v_cache=v_cache)
     _check_rope_args("rope_store_kv", q, cos, sin)
@@ -150,11 +147,9 @@ def rope_store_kv(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos
         raise ValueError(f"rope_store_kv: slots must be distinct and in [0, {num_slots})")
     q, k, v, cos, sin = (t.contiguous() for t in (q, k, v, cos, sin))
     sizes = _rope_launch_sizes(q.shape[1], q.shape[2])
-    from lessonlib.ops._common import next_power_of_2
-
     with launch_guards("rope_store_kv", guards) as guards:
         q_out = output_like(guards, "q_out", q)
-        launch(kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
+        launch_kernel(guards, "rope_store_kv", kernel, (q.shape[0],), q, k, v, cos, sin, slots, q_out, k_cache, v_cache, q.shape[1], k.shape[1],
                HALF=sizes["HALF"], BLOCK_HQ=sizes["BLOCK_H"], BLOCK_HKV=next_power_of_2(k.shape[1]),
                BLOCK_HALF=sizes["BLOCK_HALF"], num_warps=1 if not runtime.on_gpu() else 4)
     return q_out
@@ -177,7 +172,7 @@ def check_rope_store_kv_kernel(kernel) -> None:
             num_blocks = -(-tokens // block_size) + 2
             k_cache, v_cache = _inputs(*[(num_blocks, block_size, kv_heads, head_dim)] * 2, dtype=dtype)
             slots = torch.randperm(num_blocks * block_size, device=runtime.device())[:tokens]
-            guards = Guards("rope_store_kv")
+            guards = Guards("rope_store_kv", "store its token's q rotated into q_out, and its k rotated and v as it is into the token's cache slot")
             q, k, v, cos, sin, k_cache, v_cache, slots = (
                 guards.place(name, t) for name, t in zip(("q", "k", "v", "cos", "sin", "k_cache", "v_cache", "slots"),
                                                          (q, k, v, cos, sin, k_cache, v_cache, slots)))
@@ -188,31 +183,32 @@ def check_rope_store_kv_kernel(kernel) -> None:
             q_out = guards.run(lambda: _call("rope_store_kv", lambda *a: rope_store_kv(kernel, *a, guards=guards),
                                              (q, k, v, cos, sin, k_cache, v_cache, slots)),
                                lambda q_out: (q_out, flat_k[slots], flat_v[slots]))
-            q64, k64, v64, cos64, sin64 = (t.cpu() for t in to_float64(q, k, v, cos, sin))
-            if isinstance(q_out, torch.Tensor) and q_out.isnan().all() and flat_k[slots].isnan().all() \
-                    and flat_v[slots].isnan().all():
-                raise ExerciseFailed("rope_store_kv: not implemented yet: the kernel wrote neither q_out nor any cache "
-                                     "slot (all still NaN, as these checks fill them). Fill in the kernel body.")
-            others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=k_cache.device)
-            others[slots] = False
-            for cache, before, what in ((flat_k, k_before, "K"), (flat_v, v_before, "V")):
-                changed = ~(cache[others] == before.view_as(cache)[others]).view(-1, kv_heads * head_dim).all(dim=1)
-                if changed.any():
-                    bad = int(others.nonzero()[changed.nonzero()[0]].item())
-                    raise ExerciseFailed(f"rope_store_kv wrote {what} into slot {bad}, which belongs to another token "
-                                         f"(this step's slots are {slots.tolist()}). Token t's row goes to "
-                                         "slots[t] * Hkv * D in the cache.")
-            _check_output_written("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64), where)
-            _check_output_written("rope_store_kv: the K written to the cache", flat_k[slots], k64, where)
-            _check_output_written("rope_store_kv: the V written to the cache", flat_v[slots], v64, where)
-            _diagnose("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64),
-                      _rope_reference(q, cos, sin), lambda: _rope_mistakes(q64, cos64, sin64), where)
-            _diagnose("rope_store_kv: the K in the cache", flat_k[slots], _rope_reference(k64, cos64, sin64),
-                      _rope_reference(k, cos, sin),
-                      lambda: _rope_mistakes(k64, cos64, sin64), where)
-            rotated_v = _rope_reference(v64, cos64, sin64)
-            _diagnose("rope_store_kv: the V in the cache", flat_v[slots], v64, v,
-                      [("rotating V too gives: only Q and K carry positions; V is copied as it is", rotated_v)], where)
+            with guards.judged():
+                q64, k64, v64, cos64, sin64 = (t.cpu() for t in to_float64(q, k, v, cos, sin))
+                if isinstance(q_out, torch.Tensor) and q_out.isnan().all() and flat_k[slots].isnan().all() \
+                        and flat_v[slots].isnan().all():
+                    raise ExerciseFailed("rope_store_kv: not implemented yet: the kernel wrote neither q_out nor any cache "
+                                         "slot (all still NaN, as these checks fill them). Fill in the kernel body.")
+                others = torch.ones(num_blocks * block_size, dtype=torch.bool, device=k_cache.device)
+                others[slots] = False
+                for cache, before, what in ((flat_k, k_before, "K"), (flat_v, v_before, "V")):
+                    changed = ~(cache[others] == before.view_as(cache)[others]).view(-1, kv_heads * head_dim).all(dim=1)
+                    if changed.any():
+                        bad = int(others.nonzero()[changed.nonzero()[0]].item())
+                        raise ExerciseFailed(f"rope_store_kv wrote {what} into slot {bad}, which belongs to another token "
+                                             f"(this step's slots are {slots.tolist()}). Token t's row goes to "
+                                             "slots[t] * Hkv * D in the cache.")
+                _check_output_written("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64), where)
+                _check_output_written("rope_store_kv: the K written to the cache", flat_k[slots], k64, where)
+                _check_output_written("rope_store_kv: the V written to the cache", flat_v[slots], v64, where)
+                _diagnose("rope_store_kv: q_out", q_out, _rope_reference(q64, cos64, sin64),
+                          _rope_reference(q, cos, sin), lambda: _rope_mistakes(q64, cos64, sin64), where)
+                _diagnose("rope_store_kv: the K in the cache", flat_k[slots], _rope_reference(k64, cos64, sin64),
+                          _rope_reference(k, cos, sin),
+                          lambda: _rope_mistakes(k64, cos64, sin64), where)
+                rotated_v = _rope_reference(v64, cos64, sin64)
+                _diagnose("rope_store_kv: the V in the cache", flat_v[slots], v64, v,
+                          [("rotating V too gives: only Q and K carry positions; V is copied as it is", rotated_v)], where)
     print(f"rope_store_kv: q rotated, K rotated and V copied into their slots, every other slot untouched, on "
           f"{len(ROPE_STORE_KV_CASES)} shapes in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 

@@ -5,14 +5,13 @@
 2. ``transpose``: ``out[j, i] = x[i, j]`` on 2-D tiles of a strided matrix: pointer arithmetic with strides.
 3. ``row_sum``: ``out[i] = x[i, :].sum()``: one program per row, a loop over column blocks, ``other=0``.
 
-Every buffer a kernel gets lives inside a larger one whose rest (the guard before and after, and the padding
-between rows) is NaN. A store past the end lands in the guard instead of foreign memory (the interpreter would
-corrupt its heap and kill the Jupyter kernel), and the checker names it afterwards: "mask your store". A load from
-the padding brings a NaN into the output, which names a wrong stride.
+In the interpreter each launch is observed (:mod:`~lessonlib.exercises._observe`): a load or store outside its
+tensor is named, with its line, and never performed. On a GPU every buffer a kernel gets lives inside a larger one
+whose rest (the guard before and after, and the padding between rows) is NaN: a store past the end lands in the
+guard instead of foreign memory, and the checker names it afterwards: "mask your store". A load from the padding
+brings a NaN into the output, which names a wrong stride.
 
-:func:`program_owners` runs a kernel with grids of 1, 2, ... programs and reports which program first wrote each
-output element and which input address it read (the input's storage holds each element's own address): the data of
-lesson 00's address figure (``plots.program_map``), measured on the kernel, not typed.
+:func:`~lessonlib.exercises.addresses.program_owners` (lesson 00's address figure) runs these kernels too.
 """
 
 from __future__ import annotations
@@ -20,7 +19,9 @@ from __future__ import annotations
 import torch
 
 from lessonlib import runtime
-from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _describe
+from lessonlib.exercises._checking import (ExerciseFailed, _describe, _diagnose, _named, _require_kernel,
+                                           _student_error)
+from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
 
 SCALE_ADD_SIZES = (123, 7, 1, 1000)  # several blocks, a ragged last one (first: a late program shows); 1 element
 TRANSPOSE_SHAPES = ((5, 3), (37, 20), (1, 1))  # (M, N): a partial tile, several ragged tiles, one element
@@ -32,19 +33,16 @@ def blocks() -> dict:
     return dict(BLOCK=64, BLOCK_M=16, BLOCK_N=16) if runtime.on_gpu() else dict(BLOCK=16, BLOCK_M=4, BLOCK_N=8)
 
 
-def _is_kernel(kernel) -> bool:
-    return callable(getattr(kernel, "__getitem__", None)) and hasattr(kernel, "fn")
-
-
-def _require_kernel(name: str, kernel) -> None:
-    if not _is_kernel(kernel):
-        raise ExerciseFailed(f"{name}: pass your @triton.jit kernel itself (got {type(kernel).__name__}); this "
-                             "exercise checks the kernel, launched by lessonlib's launcher")
-
-
 # --- Guarded buffers: every tensor a kernel gets sits inside a NaN-filled buffer -------------------------------
 
 
+SCALE_ADD_ADVICE = {"x": "The last program's offsets run past n: load and store with mask=offsets < n.",
+                    "y": "The last program's offsets run past n: load and store with mask=offsets < n.",
+                    "out": "The last program's offsets run past n: load and store with mask=offsets < n."}
+TRANSPOSE_ADVICE = {"x": "Mask the load in both dimensions, rows < M and cols < N.",
+                    "out": "Mask the store in both dimensions, rows < M and cols < N; out's rows are stride_om "
+                           "apart, its columns stride_on."}
+ROW_SUM_ADVICE = {"x": "Each block of columns needs mask=cols < N.", "out": "Program i stores one value, at out_ptr + i."}
 GUARD = -30000.0  # what an output's guard and padding hold: exact in float16, far from any right answer
 PADDING = 10000.0  # what row_sum's input padding holds: a sum that loads it is off by multiples of it
 
@@ -93,25 +91,26 @@ def check_guards(name: str, what: str, view: torch.Tensor, buffer: torch.Tensor,
 # --- 1. scale_add: out = alpha * x + y --------------------------------------------------------------------------
 
 
-def _launch_scale_add(kernel, x, y, out, alpha: float, block: int, grid=None):
+def _launch_scale_add(guards, kernel, x, y, out, alpha: float, block: int, grid=None):
     import triton
 
-    from lessonlib.ops._common import launch
-
     grid = grid or (triton.cdiv(x.numel(), block),)
-    launch(kernel, grid, x, y, out, x.numel(), alpha, BLOCK=block)
+    return launch_kernel(guards, "scale_add", kernel, grid, x, y, out, x.numel(), alpha, BLOCK=block)
 
 
-def scale_add(kernel, x: torch.Tensor, y: torch.Tensor, alpha: float = 2.0) -> torch.Tensor:
+def scale_add(kernel, x: torch.Tensor, y: torch.Tensor, alpha: float = 2.0, guards: Guards | None = None):
     """Launch the exercise's kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK) on one program per BLOCK elements;
-    x, y: 1-D of one shape and dtype. Returns out. The output sits in a guarded buffer; a store past its end fails."""
+    x, y: 1-D of one shape and dtype. Returns out. The output sits in a guarded buffer; a store past its end fails.
+    ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     if x.dim() != 1 or x.shape != y.shape or x.dtype != y.dtype:
         raise ValueError(f"scale_add: x and y must be 1-D of one shape and dtype; got {tuple(x.shape)} {x.dtype}, "
                          f"{tuple(y.shape)} {y.dtype}")
     block = blocks()["BLOCK"]
     out, buffer = guarded(1, x.numel(), x.dtype, guard=2 * block)  # an unmasked or late program stays inside
     out = out[0]
-    _launch_scale_add(kernel, x.contiguous(), y.contiguous(), out, alpha, block)
+    with launch_guards("scale_add", guards) as guards:
+        _launch_scale_add(guards, kernel, x.contiguous(), y.contiguous(), guards.track(out, output=True)
+                          if guards else out, alpha, block)
     check_guards("scale_add", "out", out, buffer,
                  "The last program's offsets run past n: load and store with mask=offsets < n.")
     return out
@@ -144,15 +143,18 @@ def check_scale_add_kernel(kernel) -> None:
         for n in SCALE_ADD_SIZES:
             x, y = (torch.randn(n, device=runtime.device()).to(dtype) for _ in range(2))
             alpha = float(torch.empty(()).uniform_(0.5, 3.0))
-            out = _run("scale_add", lambda: scale_add(kernel, x, y, alpha), (x, y))
-            _coverage("scale_add", out, block)
-            x64, y64 = x.double(), y.double()
-            low = (alpha * x.float() + y.float()).to(dtype)
-            _diagnose("scale_add", out, alpha * x64 + y64, low, [
-                ("a kernel that ignores alpha gives: out = alpha * x + y", x64 + y64),
-                ("alpha * (x + y) gives: only x is scaled", alpha * (x64 + y64)),
-                ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
-            ], _describe((x, y)) + f", alpha={alpha:.3f}")
+            guards = Guards("scale_add", "store alpha * x + y for its BLOCK elements", SCALE_ADD_ADVICE)
+            out = _run("scale_add", lambda: scale_add(kernel, x, y, alpha, guards), (x, y))
+            guards.certify(out)
+            with guards.judged():
+                _coverage("scale_add", out, block)
+                x64, y64 = x.double(), y.double()
+                low = (alpha * x.float() + y.float()).to(dtype)
+                _diagnose("scale_add", out, alpha * x64 + y64, low, [
+                    ("a kernel that ignores alpha gives: out = alpha * x + y", x64 + y64),
+                    ("alpha * (x + y) gives: only x is scaled", alpha * (x64 + y64)),
+                    ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
+                ], _describe((x, y)) + f", alpha={alpha:.3f}")
     print(f"✓ scale_add: your kernel is right for n = {', '.join(map(str, SCALE_ADD_SIZES))} (BLOCK = {block}) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}, nothing stored past "
           "the end")
@@ -165,25 +167,22 @@ def _run(name: str, launch, args):
     except ExerciseFailed:
         raise
     except Exception as e:
-        first_line = str(e).splitlines()[0] if str(e) else ""
-        raise ExerciseFailed(f"{name} raised {type(e).__name__} on {_describe(args)}: {first_line}") from None
+        raise _student_error(name, e, args) from None
 
 
 # --- 2. transpose: out[j, i] = x[i, j], x strided ---------------------------------------------------------------
 
 
-def _launch_transpose(kernel, x, out, block_m: int, block_n: int, grid=None):
+def _launch_transpose(guards, kernel, x, out, block_m: int, block_n: int, grid=None):
     import triton
-
-    from lessonlib.ops._common import launch
 
     m, n = x.shape
     grid = grid or (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    launch(kernel, grid, x, out, m, n, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-           BLOCK_M=block_m, BLOCK_N=block_n)
+    return launch_kernel(guards, "transpose", kernel, grid, x, out, m, n, x.stride(0), x.stride(1), out.stride(0),
+                         out.stride(1), BLOCK_M=block_m, BLOCK_N=block_n)
 
 
-def transpose(kernel, x: torch.Tensor, pad: int = 3) -> torch.Tensor:
+def transpose(kernel, x: torch.Tensor, pad: int = 3, guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's kernel(x_ptr, out_ptr, M, N, stride_xm, stride_xn, stride_om, stride_on, BLOCK_M,
     BLOCK_N) on a grid of (M / BLOCK_M, N / BLOCK_N) tiles. x: 2-D, any strides. out: (N, M), its rows ``pad``
     elements longer than M (a strided output too), inside a NaN guard: a store outside its elements fails."""
@@ -192,7 +191,9 @@ def transpose(kernel, x: torch.Tensor, pad: int = 3) -> torch.Tensor:
     b = blocks()
     m, n = x.shape
     out, buffer = guarded(n, m, x.dtype, guard=2 * max(b["BLOCK_M"], b["BLOCK_N"]) * (m + pad + 1), pad=pad)
-    _launch_transpose(kernel, x, out, b["BLOCK_M"], b["BLOCK_N"])
+    with launch_guards("transpose", guards) as guards:
+        _launch_transpose(guards, kernel, x, guards.track(out, output=True) if guards else out, b["BLOCK_M"],
+                          b["BLOCK_N"])
     check_guards("transpose", "out's (N, M) elements", out, buffer,
                  "Mask the store in both dimensions, rows < M and cols < N; out's rows are stride_om apart, "
                  "its columns stride_on.")
@@ -223,7 +224,7 @@ def _transpose_nans(out: torch.Tensor, storage: torch.Tensor, x: torch.Tensor) -
                              "checker fills it). Fill in the kernel body.")
     for explanation, wrong in _transpose_mistakes(storage, x):
         if torch.equal(nan, wrong.isnan()):
-            raise ExerciseFailed(f"transpose: NaN in out where x has none: your kernel loaded x's padding (NaN in "
+            raise _named(f"transpose: NaN in out where x has none: your kernel loaded x's padding (NaN in "
                                  f"this check). It is what {explanation}")
     j, i = (int(v) for v in nan.nonzero()[0])
     raise ExerciseFailed(f"transpose: {int(nan.sum())} of {out.numel()} elements of out were never stored (first: "
@@ -242,13 +243,17 @@ def check_transpose_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             guard = 2 * max(b["BLOCK_M"], b["BLOCK_N"]) * (n + pad + 1)  # an unmasked load stays inside it
             x, storage = guarded(m, n, dtype, guard=guard, pad=pad, values=values, fill=float("nan"))
-            out = _run("transpose", lambda: transpose(kernel, x), (x,)).cpu()
-            where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
-            if int(storage.isnan().sum()) != 2 * guard + m * pad:
-                raise ExerciseFailed("transpose: your kernel wrote into x's buffer; store into out only")
-            _transpose_nans(out, storage, x)
-            _diagnose("transpose", out, values.double().cpu().T, values.cpu().T,
-                      lambda: _transpose_mistakes(storage, x), where)
+            guards = Guards("transpose", "store its tile of x, transposed: out[j, i] = x[i, j]", TRANSPOSE_ADVICE)
+            out = _run("transpose", lambda: transpose(kernel, x, guards=guards), (x,))
+            guards.certify(out)
+            with guards.judged():
+                out = out.cpu()
+                where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
+                if int(storage.isnan().sum()) != 2 * guard + m * pad:
+                    raise ExerciseFailed("transpose: your kernel wrote into x's buffer; store into out only")
+                _transpose_nans(out, storage, x)
+                _diagnose("transpose", out, values.double().cpu().T, values.cpu().T,
+                          lambda: _transpose_mistakes(storage, x), where)
     print(f"✓ transpose: your kernel is right on x of shapes {', '.join(map(str, TRANSPOSE_SHAPES))} with padded "
           f"rows (BLOCK_M = {b['BLOCK_M']}, BLOCK_N = {b['BLOCK_N']}), nothing stored outside out")
 
@@ -256,18 +261,18 @@ def check_transpose_kernel(kernel) -> None:
 # --- 3. row_sum: out[i] = x[i, :].sum() -------------------------------------------------------------------------
 
 
-def row_sum(kernel, x: torch.Tensor) -> torch.Tensor:
+def row_sum(kernel, x: torch.Tensor, guards: Guards | None = None) -> torch.Tensor:
     """Launch the exercise's kernel(x_ptr, out_ptr, N, stride_xm, BLOCK_N): one program per row of x (2-D, unit
     column stride), summing N columns BLOCK_N at a time. Returns the float32 sums, (M,), from a guarded buffer."""
-    from lessonlib.ops._common import launch
-
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"row_sum: x must be 2-D with unit column stride; got shape {tuple(x.shape)}, strides "
                          f"{x.stride()}")
     block_n = blocks()["BLOCK_N"]
     out, buffer = guarded(1, x.shape[0], torch.float32, guard=4)
     out = out[0]
-    launch(kernel, (x.shape[0],), x, out, x.shape[1], x.stride(0), BLOCK_N=block_n)
+    with launch_guards("row_sum", guards) as guards:
+        launch_kernel(guards, "row_sum", kernel, (x.shape[0],), x, guards.track(out, output=True) if guards else out,
+                      x.shape[1], x.stride(0), BLOCK_N=block_n)
     check_guards("row_sum", "out", out, buffer, "Program i stores one value, at out_ptr + i.")
     return out
 
@@ -296,67 +301,16 @@ def check_row_sum_kernel(kernel) -> None:
             values = torch.randn(m, n, device=runtime.device()).to(dtype)
             x, storage = guarded(m, n, dtype, guard=block_n, pad=int(torch.randint(block_n, 2 * block_n, ())),
                                  values=values, fill=PADDING)
-            out = _run("row_sum", lambda: row_sum(kernel, x), (x,)).cpu()
-            where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
-            if out.isnan().all():
-                raise ExerciseFailed("row_sum: not implemented yet: the kernel stored nothing (out is still NaN, as "
-                                     "the checker fills it). Fill in the kernel body.")
-            _diagnose("row_sum", out, x.double().cpu().sum(1), x.float().sum(1).cpu(),
-                      lambda: _row_sum_mistakes(x, storage, block_n), where)
+            guards = Guards("row_sum", "store the sum of its row of x, out[i] = x[i, :].sum()", ROW_SUM_ADVICE)
+            out = _run("row_sum", lambda: row_sum(kernel, x, guards), (x,))
+            guards.certify(out)
+            with guards.judged():
+                out = out.cpu()
+                where = f"x of shape {(m, n)} with row stride {x.stride(0)}, {str(dtype).removeprefix('torch.')}"
+                if out.isnan().all():
+                    raise ExerciseFailed("row_sum: not implemented yet: the kernel stored nothing (out is still NaN, as "
+                                         "the checker fills it). Fill in the kernel body.")
+                _diagnose("row_sum", out, x.double().cpu().sum(1), x.float().sum(1).cpu(),
+                          lambda: _row_sum_mistakes(x, storage, block_n), where)
     print(f"✓ row_sum: your kernel is right on x of shapes {', '.join(map(str, ROW_SUM_SHAPES))} with padded rows "
           f"(BLOCK_N = {block_n}) in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
-
-
-# --- Which program touched which address: the data of lesson 00's figure ----------------------------------------
-
-
-def _addresses_read(out_buffer: torch.Tensor, new: torch.Tensor, size: int) -> torch.Tensor:
-    """The input addresses the new stores carry (the input held its own addresses); nonsense values dropped."""
-    values = out_buffer[new]
-    values = values[(values == values.round()) & (values >= 0) & (values < size)]
-    return values.long()
-
-
-def program_owners(kernel, puzzle: str, shape, block: dict | None = None) -> dict:
-    """Run ``kernel`` (puzzle "scale_add", shape n; or "transpose", shape (M, N)) with grids of 1, 2, ... programs
-    and record, for each address of the input's and the output's storage, the first program that read or wrote it
-    (-1: none). The input's storage, guard and padding included, holds each element's own address, so a stored
-    value says where it was loaded from. Returns {"x": owners over x's storage, "out": over out's, "grid": grid,
-    "size": the valid extent, "pad": padding columns}; 1-D storage for scale_add (guard before and after), 2-D
-    (rows, row stride) for transpose."""
-    import triton
-
-    b = {**blocks(), **(block or {})}
-    if any(v < 1 or v & (v - 1) for v in b.values()):
-        raise ValueError(f"program_owners: block sizes must be powers of 2 (tl.arange needs them); got {block}")
-    dev = runtime.device()
-    if puzzle == "scale_add":
-        n, guard = int(shape), 2 * b["BLOCK"]
-        x_buffer = torch.arange(2 * guard + n, dtype=torch.float32, device=dev)
-        x, y = x_buffer[guard:guard + n], torch.zeros(n, device=dev)
-        x_owner, out_owner = torch.full((2 * guard + n,), -1), torch.full((2 * guard + n,), -1)
-        grid = triton.cdiv(n, b["BLOCK"])
-        for program in range(grid):
-            out, out_buffer = guarded(1, n, torch.float32, guard)
-            _launch_scale_add(kernel, x, y, out[0], 1.0, b["BLOCK"], grid=(program + 1,))
-            new = _written(out[0], out_buffer) & (out_owner < 0)
-            out_owner[new] = program
-            x_owner[_addresses_read(out_buffer.cpu(), new, x_buffer.numel())] = program
-        return {"x": x_owner, "out": out_owner, "grid": (grid,), "size": n, "guard": guard, "pad": 0}
-    if puzzle != "transpose":
-        raise ValueError(f"program_owners: puzzle must be 'scale_add' or 'transpose', got {puzzle!r}")
-    (m, n), pad = shape, 3
-    x_buffer = torch.arange(m * (n + pad), dtype=torch.float32, device=dev)  # no guard: owners of x's storage
-    x = x_buffer.view(m, n + pad)[:, :n]
-    grid = (triton.cdiv(m, b["BLOCK_M"]), triton.cdiv(n, b["BLOCK_N"]))
-    x_owner, out_owner = torch.full((m * (n + pad),), -1), torch.full((n * (m + pad),), -1)
-    for i in range(grid[0]):
-        for j in range(grid[1]):
-            out, out_buffer = guarded(n, m, torch.float32, guard=0, pad=pad)
-            _launch_transpose(kernel, x, out, b["BLOCK_M"], b["BLOCK_N"], grid=(i + 1, j + 1))
-            # grid (i + 1, j + 1) runs every program (i', j') with i' <= i, j' <= j; all but (i, j) ran before
-            new = _written(out, out_buffer) & (out_owner < 0)
-            out_owner[new] = i * grid[1] + j
-            x_owner[_addresses_read(out_buffer.cpu(), new, x_buffer.numel())] = i * grid[1] + j
-    return {"x": x_owner.view(m, n + pad), "out": out_owner.view(n, m + pad), "grid": grid, "size": (m, n),
-            "guard": 0, "pad": pad}

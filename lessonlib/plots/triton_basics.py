@@ -1,11 +1,12 @@
 """Lesson 00's figure: which addresses each Triton program touched, from an instrumented launch of a kernel
-(:func:`lessonlib.exercises.triton_basics.program_owners`), not drawn by hand."""
+(:func:`lessonlib.exercises.addresses.program_owners`), not drawn by hand."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
+from matplotlib.ticker import MaxNLocator
 
 from lessonlib.plots._figure import finish
 
@@ -19,6 +20,12 @@ def _owner_image(ax, owners: np.ndarray, programs: int, title: str, labels) -> N
             ax.text(c, r, labels(owner), ha="center", va="center", fontsize=6, color="white")
     ax.set_title(title, fontsize=10)
     ax.set_yticks([])
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # element indices: whole numbers
+
+
+def _outside_note(owners: dict, what: str, verb: str) -> str:
+    count = owners.get("outside", {}).get(what, -1)
+    return f"\n{count} lanes {verb} outside {what}: a missing mask" if count > 0 else ""
 
 
 def program_map(vector: dict, tile: dict):
@@ -30,21 +37,29 @@ def program_map(vector: dict, tile: dict):
     shown = slice(guard, guard + n + min(guard, 8))  # the elements, and a few guard cells past the end
     strip = np.vstack([vector["x"][shown].numpy(), vector["out"][shown].numpy()])
     _owner_image(axes[0], strip, vector["grid"][0], f"scale_add: n = {n}, {vector['grid'][0]} programs; "
-                 "top row x read, bottom row out written", str)
+                 "top row x read, bottom row out written" + _outside_note(vector, "out", "written"), str)
     axes[0].axvline(n - 0.5, color="black", linestyle="--", linewidth=1)
     axes[0].set_yticks([0, 1], ["x", "out"])
     axes[0].set_xlabel("element index (past the dashed line: the guard after the end)")
     (m, cols), grid = tile["size"], tile["grid"]
     label = lambda owner: f"{owner // grid[1]},{owner % grid[1]}"  # noqa: E731 (program (pid 0, pid 1))
     _owner_image(axes[1], tile["x"].numpy(), grid[0] * grid[1], f"transpose: x is ({m}, {cols}) with row stride "
-                 f"{cols + tile['pad']}: the storage each program (pid 0, pid 1) read", label)
+                 f"{cols + tile['pad']}: the storage each program (pid 0, pid 1) read"
+                 + _outside_note(tile, "x", "read"), label)
     axes[1].axvline(cols - 0.5, color="black", linestyle="--", linewidth=1)
-    axes[1].set_xlabel("column of x's storage (past the dashed line: padding, not part of x)")
+    if tile.get("rows_past"):  # the rows below the line are past x's end
+        axes[1].axhline(m - 0.5, color="black", linestyle="--", linewidth=1)
+    axes[1].set_xlabel("column of x's storage (past the dashed lines: padding, and rows past the end)")
     axes[1].set_ylabel("row of x")
     _owner_image(axes[2], tile["out"].numpy(), grid[0] * grid[1], f"out = x.T, ({cols}, {m}): what each program "
-                 "wrote", label)
+                 "wrote" + _outside_note(tile, "out", "written"), label)
     axes[2].axvline(m - 0.5, color="black", linestyle="--", linewidth=1)
-    axes[2].set_xlabel("column of out's storage (past the dashed line: padding)")
+    if tile.get("rows_past"):
+        axes[2].axhline(cols - 0.5, color="black", linestyle="--", linewidth=1)
+    axes[2].set_xlabel("column of out's storage (past the dashed lines: padding, and rows past the end)")
     axes[2].set_ylabel("row of out")
-    return finish(fig, "measured: the kernel run with grids of 1, 2, ... programs; each input element holds its "
+    recorded = vector.get("outside", {}).get("out", -1) >= 0
+    return finish(fig, "measured: every load and store of the kernel recorded in Triton's interpreter (accesses "
+                       "outside a tensor recorded, not performed)" if recorded else
+                       "measured: the kernel run with grids of 1, 2, ... programs; each input element holds its "
                        "own address, so every stored value says where it was loaded from")
