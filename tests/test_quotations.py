@@ -14,6 +14,7 @@ verbatim in a text must be registered; without them, the course's quotations are
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from lessonlib.claims.quotations import normalise, registered
 from lessonlib.claims.verdicts import Verdict
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = ROOT.parent / "shared" / "sources"
+# beside the checkout (CI, the main checkout); COURSE_SOURCES names another folder (a worktree elsewhere)
+SOURCES = Path(os.environ.get("COURSE_SOURCES", ROOT.parent / "shared" / "sources"))
 NO_SOURCES = f"the source texts are not beside this checkout ({SOURCES}): checked against the registry alone"
 
 # Quoted strings in cells that name a source text, which are not that text's words: {string: whose words}.

@@ -28,7 +28,7 @@ class Source:
 
     def citation(self) -> str:
         """Title, publisher and date, or what is known in their place."""
-        parts = [f"\u201c{self.title}\u201d"] + [p for p in (self.publisher, self.date) if p]
+        parts = [f"\u201c{self.title}\u201d"] + [p for p in (self.publisher, self.date and f"published {self.date}") if p]
         return ", ".join(parts) + ("" if self.publisher else f" ({self.known})")
 
 
@@ -36,7 +36,7 @@ TUTORIAL = Source("tutorial", "Fast Attention Kernels and Operator Fusion", "", 
                   "no byline, publisher or date; the copy the course follows names Machine Learning Mastery as its "
                   "original source")
 NEWS = Source("news item", "Fast Attention Kernels and Operator Fusion", "Tefisc Fact Engine",
-              "published November 12, 2026", "news-item.txt", "a news item that cites Machine Learning Mastery")
+              "November 12, 2026", "news-item.txt", "a news item that cites Machine Learning Mastery")
 SOURCES = {s.key: s for s in (TUTORIAL, NEWS)}
 
 
@@ -59,6 +59,7 @@ QUOTATIONS = (
     _q("up to 70%", NEWS),
     _q("delivering another 10–15% latency reduction", NEWS),
     _q("another 10–15%", NEWS),
+    _q("another 10–15% latency reduction", NEWS),
     _q("sidesteps the quadratic memory blow-up", NEWS),
     _q("dropout, scaling, and residual addition", NEWS),
     _q("combining dropout, scaling, and residual addition directly into the attention kernel", NEWS),
