@@ -356,7 +356,7 @@ def near_ties() -> list[float]:
     """Gap over float16 spacing at every step where lesson 06's engines part (its stored output)."""
     text = output("06_vllm", "40a6fb2d")
     return [float(gap) / float(spacing) for gap, spacing in
-            re.findall(r"logits are ([\d.]+) apart, .*? are ([\d.]+) apart", text)]
+            re.findall(r"logits are ([\d.]+) apart, .*? are ([\d.]+) apart", text, re.S)]
 
 
 def launch_modes_within(band: float, tokens) -> bool:
