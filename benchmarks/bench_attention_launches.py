@@ -1,6 +1,6 @@
 """Lesson 02's launch-bound attention: naive attention's five kernels against one fused launch, at tiny T.
 
-    python benchmarks/bench_attention_launches.py --out lessonlib/results/attention-launches-h200.json
+    python -m benchmarks.bench_attention_launches --out lessonlib/results/attention-launches-h200.json
 
 The news item says merging the softmax and matrix-product kernels cuts kernel-launch overhead "by up to 70%". This
 measures that mechanism: B=1, H=8, D=64, causal, T=16..1024, in the course's dtype; eager attention (matmul, scale,
@@ -12,15 +12,10 @@ CUDA graph (the GPU's work alone). lessonlib.cases.attention_launches holds the 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from lessonlib import bench  # noqa: E402
-from lessonlib.cases import attention_launches as cases  # noqa: E402
-from lessonlib.measure import gbps, time_copy, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark  # noqa: E402
+from lessonlib import bench
+from lessonlib.cases import attention_launches as cases
+from lessonlib.measure import gbps, time_copy, warm_up_gpu
+from lessonlib.results import Benchmark
 
 
 def main():

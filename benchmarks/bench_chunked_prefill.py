@@ -1,8 +1,8 @@
 """One long prompt arriving among running decodes, prefill-first against chunked prefill (lesson 07): each step's
 wall time and which requests' tokens came out of it; TTFT and the decodes' inter-token gaps.
 
-    python benchmarks/bench_chunked_prefill.py --out lessonlib/results/chunked-prefill-h200.json
-    python benchmarks/bench_chunked_prefill.py --smoke --out lessonlib/results/chunked-prefill-cpu.json
+    python -m benchmarks.bench_chunked_prefill --out lessonlib/results/chunked-prefill-h200.json
+    python -m benchmarks.bench_chunked_prefill --smoke --out lessonlib/results/chunked-prefill-cpu.json
 
 The GPU run: the random-weight Llama-3.2-1B-shaped model of bench_engine.py (its positions raised to hold twice the
 long prompt), bf16, every feature on but the one compared: issue 26's case, one 4,096-token prompt among 32 running
@@ -15,24 +15,21 @@ the tiny model. lessonlib.cases.chunked_prefill holds the workload and the measu
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench_engine import LLAMA_1B, TINY, build_checkpoint  # noqa: E402
-from lessonlib import bench, runtime  # noqa: E402
-from lessonlib.cases import chunked_prefill  # noqa: E402
-from lessonlib.engine import Features  # noqa: E402
-from lessonlib.engine.features import PLAIN_PYTORCH  # noqa: E402
-from lessonlib.measure import warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Results  # noqa: E402
+from lessonlib.cases.engine_models import LLAMA_1B, TINY, build_checkpoint
+from lessonlib import bench, runtime
+from lessonlib.cases import chunked_prefill
+from lessonlib.engine import Features
+from lessonlib.engine.features import PLAIN_PYTORCH
+from lessonlib.measure import warm_up_gpu
+from lessonlib.results import Benchmark, Results
 
 
 def main():

@@ -1,7 +1,7 @@
 """Lesson 05's benchmark: launch overhead, torch.compile and CUDA graphs, on the GatedMLP and on one decoder
 layer's decode step over a paged KV cache.
 
-    python benchmarks/bench_cuda_graphs.py --out lessonlib/results/cuda-graphs-h200.json
+    python -m benchmarks.bench_cuda_graphs --out lessonlib/results/cuda-graphs-h200.json
 
 bf16. GatedMLP (hidden 4096, intermediate 14336) at T = 1, 8, 128, 2048: eager, torch.compile (default),
 torch.compile(mode="reduce-overhead"), and the eager module captured by hand into a CUDA graph. Decoder layer
@@ -13,20 +13,15 @@ Every path is checked against the eager result first. ``--smoke`` runs tiny size
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from lessonlib import bench, reference, runtime  # noqa: E402
-from lessonlib.bench import Case  # noqa: E402
-from lessonlib.cases.cuda_graphs import LAYER_SIZES, SMOKE_LAYER_SIZES, decode_step_cases, pool_mb, same  # noqa: E402
-from lessonlib.cuda_graphs import launch_modes  # noqa: E402
-from lessonlib.decoder import DecoderLayer  # noqa: E402
-from lessonlib.measure import warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Op  # noqa: E402
+from lessonlib import bench, reference, runtime
+from lessonlib.bench import Case
+from lessonlib.cases.cuda_graphs import LAYER_SIZES, SMOKE_LAYER_SIZES, decode_step_cases, pool_mb, same
+from lessonlib.cuda_graphs import launch_modes
+from lessonlib.decoder import DecoderLayer
+from lessonlib.measure import warm_up_gpu
+from lessonlib.results import Benchmark, Op
 
 MLP_SIZES, SMOKE_MLP_SIZES = LAYER_SIZES, SMOKE_LAYER_SIZES  # hidden, intermediate
 MLP_TOKENS, SMOKE_MLP_TOKENS = (1, 8, 128, 2048), (1, 8)

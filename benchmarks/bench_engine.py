@@ -1,6 +1,6 @@
 """Lesson 07's benchmark: the course's serving engine against Hugging Face transformers' ``generate``.
 
-    python benchmarks/bench_engine.py --out lessonlib/results/engine-h200.json
+    python -m benchmarks.bench_engine --out lessonlib/results/engine-h200.json
 
 A random-weight Llama-3.2-1B-shaped model (hidden 2048, 16 layers, 32 query / 8 KV heads, head_dim 64, MLP 8192,
 vocabulary 128256, tied embeddings; built here with transformers' LlamaConfig, nothing downloaded), bf16, saved as a
@@ -19,7 +19,7 @@ CUDA graph replayed) beside the bytes-read limit at the same run's copy bandwidt
 MLP 4864, vocabulary 151936, tied embeddings, biases on q, k, v; transformers' Qwen2Config), the same checks and
 timings, no ladder (lesson 07's ladder is the Llama's):
 
-    python benchmarks/bench_engine.py --qwen-shape --out lessonlib/results/engine-qwen-h200.json
+    python -m benchmarks.bench_engine --qwen-shape --out lessonlib/results/engine-qwen-h200.json
 
 ``--no-ladder`` leaves the ladder out of a Llama run (the rest takes minutes, not the ladder's five more).
 
@@ -39,7 +39,7 @@ noise does not move: lessonlib.measure.gpu_busy_seconds).
 ``--ladder-only`` runs the ladder alone (about 5 minutes on an H200) and puts its records into the ``--out`` file in
 place of the ladder's there, every other record kept; the ladder's own command and versions go in its notes:
 
-    python benchmarks/bench_engine.py --ladder-only --out lessonlib/results/engine-h200.json
+    python -m benchmarks.bench_engine --ladder-only --out lessonlib/results/engine-h200.json
 
 ``--smoke`` runs a tiny model in any mode (CPU: interpreter, float32, no graphs, no static cache, no breakdown; a
 ladder of 3 requests for 2 seats, run twice).
@@ -48,65 +48,25 @@ ladder of 3 requests for 2 seats, run twice).
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from lessonlib import bench, ops, runtime  # noqa: E402
-from lessonlib.engine import LLM, Features, ModelConfig, SamplingParams  # noqa: E402
-from lessonlib.cases.serving_engine import run_ladder  # noqa: E402
-from lessonlib.engine.model import StepContext  # noqa: E402
-from lessonlib.engine.sequence import Sequence  # noqa: E402
-from lessonlib.ops._common import pdl  # noqa: E402
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op, Results, environment, load  # noqa: E402
-from lessonlib.serving.greedy_parity import first_difference, near_tie_gap  # noqa: E402
-from lessonlib.testing import tolerance  # noqa: E402
+from lessonlib import bench, ops, runtime
+from lessonlib.engine import LLM, Features, ModelConfig, SamplingParams
+from lessonlib.cases.engine_models import LLAMA_1B, QWEN_05B, TINY, build_checkpoint, decode_inputs
+from lessonlib.cases.serving_engine import run_ladder
+from lessonlib.ops._common import pdl
+from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu
+from lessonlib.results import Benchmark, Impl, Op, Results, environment, load
+from lessonlib.serving.greedy_parity import first_difference, near_tie_gap
+from lessonlib.testing import tolerance
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True)
-QWEN_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                num_key_value_heads=2, head_dim=64, vocab_size=151936, tie_word_embeddings=True)
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=16, vocab_size=256, tie_word_embeddings=True)
 CHECK_STEPS = 4  # logits compared at the prefill and the next CHECK_STEPS - 1 decode steps
 LADDER_REPEATS = 3  # timed runs per rung: a median and its spread, no verdict on one run
-
-
-def build_checkpoint(folder: Path, shape: dict, dtype: torch.dtype, family: str = "Llama") -> Path:
-    """A random-weight Llama (or ``family="Qwen2"``) written as a Hugging Face checkpoint (config.json +
-    safetensors; no tokenizer)."""
-    import transformers
-
-    config = getattr(transformers, f"{family}Config")(**{"max_position_embeddings": 2048, **shape}, bos_token_id=None,
-                                                      eos_token_id=None, pad_token_id=None)
-    torch.manual_seed(0)
-    with torch.device(runtime.device()):  # random init on the GPU: seconds instead of a minute on the CPU
-        model = getattr(transformers, f"{family}ForCausalLM")(config)
-    model.to(dtype).save_pretrained(folder, safe_serialization=True)
-    del model
-    return folder
-
-
-def each_checkpoint(shapes: dict, dtype: torch.dtype, prefix: str):
-    """Yields (name, path) for each of ``shapes`` ({name: (shape, family)}): a :func:`build_checkpoint` in a scratch
-    folder, deleted (and the GPU's cached memory freed) before the next is written: an experiment's one engine per
-    shape."""
-    folder = Path(tempfile.mkdtemp(prefix=prefix, dir=runtime.scratch_dir()))
-    try:
-        for name, (shape, family) in shapes.items():
-            yield name, build_checkpoint(folder / name, shape, dtype, family)
-            if runtime.on_gpu():
-                torch.cuda.empty_cache()
-            shutil.rmtree(folder / name, ignore_errors=True)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
 
 
 def hf_model(path: Path, dtype: torch.dtype):
@@ -199,31 +159,6 @@ def first_divergence(ours, theirs, prompts, truth_model, low_model, dtype) -> di
                                    "near_tie": gap <= allowed})
     report["all_divergences_near_ties"] = all(d["near_tie"] for d in report["diverged"])
     return report
-
-
-@contextmanager
-def decode_inputs(llm: LLM, batch: int, context: int):
-    """(ctx, ids, positions) of a decode step at this batch and context: sequences of random tokens allocated in
-    the engine's block manager (freed after). K/V content does not matter for time: the blocks are allocated, not
-    filled. Random tokens: sequences must not share prefix blocks (a shared block would be read from L2, not HBM)."""
-    model, runner = llm.model, llm.runner
-    seqs = [Sequence(torch.randint(0, model.config.vocab_size, (context,)).tolist(), SamplingParams())
-            for _ in range(batch)]
-    for seq in seqs:
-        llm.block_manager.allocate(seq)
-    try:
-        bs, device = llm.block_size, runner.device
-        slots = torch.tensor([seq.block_table[(context - 1) // bs] * bs + (context - 1) % bs for seq in seqs],
-                             device=device)
-        table = runner._table(seqs, width=runner.max_blocks)
-        ctx = StepContext(False, slots, table, torch.full((batch,), context, dtype=torch.int32, device=device),
-                          decode_splits=None if runtime.on_gpu() else 1)
-        positions = torch.full((batch,), context - 1, device=device)
-        yield ctx, torch.randint(0, model.config.vocab_size, (batch,), device=device), positions
-    finally:
-        for seq in seqs:
-            llm.block_manager.free(seq)
-        llm.block_manager.forget_prefix_cache()  # those blocks were registered but never filled
 
 
 def step_breakdown(llm: LLM, batch: int, context: int) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """Lesson 02's benchmark: FlashAttention forward and backward against PyTorch's SDPA backends and naive attention.
 
-    python benchmarks/bench_flash_attention.py --out lessonlib/results/flash-attention-h200.json
+    python -m benchmarks.bench_flash_attention --out lessonlib/results/flash-attention-h200.json
 
 bf16. TFLOP/s counts 4·B·H·N²·D for the forward (halved when causal) and 2.5 times that for the backward. Peers
 measured in the same run: SDPA forced onto each backend (FLASH_ATTENTION, CUDNN_ATTENTION, EFFICIENT_ATTENTION),
@@ -23,25 +23,20 @@ backend (flash and memory-efficient draw the mask inside the kernel from a seed;
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from lessonlib import bench, ops, reference, runtime, sdpa  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, sdpa
 
 runtime.mode()  # chosen before the kernel below is defined
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
-from lessonlib.bench import Case  # noqa: E402
-from lessonlib.cases.flash_attention import forward_flops, inputs, peers, speed_cases  # noqa: E402
-from lessonlib.measure import gbps, measure_ceilings, time_copy, warm_up_gpu  # noqa: E402
-from lessonlib.ops.flash_attention import _attend_tiles, backward, backward_config, forward_config  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op, kernels_sweep_label, sweep_label  # noqa: E402
-from lessonlib.testing import check_close, to_float64  # noqa: E402
+from lessonlib.bench import Case
+from lessonlib.cases.flash_attention import forward_flops, inputs, peers, speed_cases
+from lessonlib.measure import gbps, measure_ceilings, time_copy, warm_up_gpu
+from lessonlib.ops.flash_attention import _attend_tiles, backward, backward_config, forward_config
+from lessonlib.results import Benchmark, Impl, Op, kernels_sweep_label, sweep_label
+from lessonlib.testing import check_close, to_float64
 
 # (batch, heads, N, head_dim, causal): the target shapes, then N swept for the notebook's plot (B·N = 16k tokens).
 TARGETS = [(2, 32, 4096, 128, False), (2, 32, 4096, 128, True), (4, 16, 2048, 64, True)]

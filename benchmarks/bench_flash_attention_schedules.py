@@ -1,7 +1,7 @@
 """Lesson 02's second benchmark (issue 27): what the techniques of the fastest Hopper attention kernels buy a Triton
 kernel, each measured beside cuDNN and lessonlib's own kernels in the same run.
 
-    python benchmarks/bench_flash_attention_schedules.py --out lessonlib/results/flash-attention-schedules-h200.json
+    python -m benchmarks.bench_flash_attention_schedules --out lessonlib/results/flash-attention-schedules-h200.json
 
 At the headline shape, B2 H32 N4096 D128, bf16 (TFLOP/s as in bench_flash_attention.py: 4·B·H·N²·D for the forward,
 halved when causal, 2.5 times that for the backward):
@@ -29,24 +29,21 @@ float32 sums moves the error a little; a wrong kernel is off by far more), or it
 from __future__ import annotations
 
 import importlib
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-from lessonlib import bench, runtime  # noqa: E402
+from lessonlib import bench, runtime
 
 runtime.mode()  # chosen before the kernels below are defined
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: E402
+import triton
+import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
-from lessonlib.cases.flash_attention import backward_of, forward_flops, peers  # noqa: E402
-from lessonlib.measure import time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.ops._flash_attention_forward import LOG2E  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+from lessonlib.cases.flash_attention import backward_of, forward_flops, peers
+from lessonlib.measure import time_fn, warm_up_gpu
+from lessonlib.ops._flash_attention_forward import LOG2E
+from lessonlib.results import Benchmark, Impl, Op
 
 fa = importlib.import_module("lessonlib.ops.flash_attention")  # the module (lessonlib.ops.flash_attention is the op)
 

@@ -1,6 +1,6 @@
 """Lesson 01's benchmark: fused kernels against eager PyTorch, torch.compile and the copy ceiling, on one GPU.
 
-    python benchmarks/bench_fusion.py --out lessonlib/results/fusion-h200.json
+    python -m benchmarks.bench_fusion --out lessonlib/results/fusion-h200.json
 
 Checks every op against its reference first (on the GPU, bf16 included), then times, in this one run:
   * the ceilings: device-to-device copy bandwidth and bf16 matmul rate;
@@ -18,23 +18,18 @@ Checks every op against its reference first (on the GPU, bf16 included), then ti
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-import torch  # noqa: E402
-
-from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
-from lessonlib.bench import Case  # noqa: E402
-from lessonlib.measure import copy_call, count_launches, measure_ceilings, time_back_to_back, time_fn  # noqa: E402
-from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for  # noqa: E402
-from lessonlib.ops.add_rms_norm import (TWO_PASS_BLOCK, add_rms_norm_backward, add_rms_norm_forward,  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, traffic
+from lessonlib.bench import Case
+from lessonlib.measure import copy_call, count_launches, measure_ceilings, time_back_to_back, time_fn
+from lessonlib.ops._common import check_tensors, next_power_of_2, num_warps_for
+from lessonlib.ops.add_rms_norm import (TWO_PASS_BLOCK, add_rms_norm_backward, add_rms_norm_forward,
                                         compiled_forward)
-from lessonlib.ops.swiglu import _swiglu_kernel, swiglu_backward, swiglu_forward  # noqa: E402
-from lessonlib.results import (FUSION_SWEEP_PREFIX, Benchmark, Ceilings, Impl, Op, Regime,  # noqa: E402
+from lessonlib.ops.swiglu import _swiglu_kernel, swiglu_backward, swiglu_forward
+from lessonlib.results import (FUSION_SWEEP_PREFIX, Benchmark, Ceilings, Impl, Op, Regime,
                                sweep_label)
-from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64  # noqa: E402
+from lessonlib.testing import check_close, check_gradients, poisoned_outputs, to_float64
 
 SIZES, SMOKE_SIZES = (8192, 4096, 14336), (16, 256, 384)  # tokens T, hidden H, intermediate I
 # The launchers' tuning knobs (their config=), each point checked against float64 before it is timed.

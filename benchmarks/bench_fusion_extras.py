@@ -1,6 +1,6 @@
 """Lesson 01's further fusions, against eager PyTorch and torch.compile, on one GPU:
 
-    python benchmarks/bench_fusion_extras.py --out lessonlib/results/fusion-extras-h200.json
+    python -m benchmarks.bench_fusion_extras --out lessonlib/results/fusion-extras-h200.json
 
 Checks every op against its float64 reference at the benchmark's own sizes first, then times:
   * bias_swiglu (T=8192, I=14336): bias + activation + multiply, one kernel against eager's four;
@@ -14,20 +14,15 @@ Checks every op against its float64 reference at the benchmark's own sizes first
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
+import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from lessonlib import bench, ops, reference, runtime, traffic  # noqa: E402
-from lessonlib.bench import Case  # noqa: E402
-from lessonlib.measure import count_launches, measure_ceilings  # noqa: E402
-from lessonlib.ops.absmax_normalize import partial_programs  # noqa: E402
-from lessonlib.results import Benchmark, Ceilings, Impl, Op  # noqa: E402
-from lessonlib.testing import (check_close, dequant_matmul_magnitude, poisoned_outputs, swiglu_allowance,  # noqa: E402
+from lessonlib import bench, ops, reference, runtime, traffic
+from lessonlib.bench import Case
+from lessonlib.measure import count_launches, measure_ceilings
+from lessonlib.ops.absmax_normalize import partial_programs
+from lessonlib.results import Benchmark, Ceilings, Impl, Op
+from lessonlib.testing import (check_close, dequant_matmul_magnitude, poisoned_outputs, swiglu_allowance,
                                to_float64)
 
 # (T, I) of the bias op; (N, K) of the quantised layer and its M; elements of the normalised tensor.

@@ -2,7 +2,7 @@
 after a change that should not touch speed (kernel configurations chosen from the GPU profile, ops registered as
 custom ops), this says whether it did.
 
-    python benchmarks/bench_headline.py --out lessonlib/results/headline-h200.json
+    python -m benchmarks.bench_headline --out lessonlib/results/headline-h200.json
 
 Each case is checked against float64 first, then timed with the same functions as its full benchmark, together with
 the peer its full benchmark compares it with (a copy of the same bytes, cuDNN, SDPA on a contiguous cache), so a
@@ -12,17 +12,12 @@ sizes in any mode.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from lessonlib import bench, ops, reference, results, runtime, sdpa  # noqa: E402
-from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op, Regime, recorded_name  # noqa: E402
-from lessonlib.testing import check_close, to_float64  # noqa: E402
+from lessonlib import bench, ops, reference, results, runtime, sdpa
+from lessonlib.measure import gbps, time_copy, time_fn, time_graph, warm_up_gpu
+from lessonlib.results import Benchmark, Impl, Op, Regime, recorded_name
+from lessonlib.testing import check_close, to_float64
 
 # (op, shape) of each benchmark's headline, and the committed file it is compared with.
 FUSION = [(Op.SWIGLU, {"T": 8192, "I": 14336}), (Op.ADD_RMS_NORM, {"T": 8192, "H": 4096})]

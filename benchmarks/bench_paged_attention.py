@@ -1,6 +1,6 @@
 """Lesson 03's benchmark: decode attention through a paged KV cache, against SDPA on a contiguous cache.
 
-    python benchmarks/bench_paged_attention.py --out lessonlib/results/paged-attention-h200.json
+    python -m benchmarks.bench_paged_attention --out lessonlib/results/paged-attention-h200.json
 
 bf16, 32 query heads over 8 KV heads, head_dim 128, block_size 16; GB/s counts the K and V bytes each call must
 read. Peers measured in the same run: SDPA on a contiguous cache (the same K/V, laid out densely), and gather the
@@ -12,21 +12,16 @@ Every case is checked against the float64 reference first. ``--smoke`` runs tiny
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import torch  # noqa: E402
-
-from lessonlib import bench, ops, runtime  # noqa: E402
-from lessonlib.bench import Case  # noqa: E402
-from lessonlib.cases import paged_attention as cases  # noqa: E402
-from lessonlib.cases.paged_attention import decode_case  # noqa: E402
-from lessonlib.flex_paged import flex_paged_attention  # noqa: E402
-from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op, sweep_label  # noqa: E402
-from lessonlib.testing import check_close  # noqa: E402
+from lessonlib import bench, ops, runtime
+from lessonlib.bench import Case
+from lessonlib.cases import paged_attention as cases
+from lessonlib.cases.paged_attention import decode_case
+from lessonlib.flex_paged import flex_paged_attention
+from lessonlib.measure import copy_call, gbps, time_copy, warm_up_gpu
+from lessonlib.results import Benchmark, Impl, Op, sweep_label
+from lessonlib.testing import check_close
 
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16

@@ -1,7 +1,7 @@
 """Paging's payoff (the vLLM paper's result): the largest batch that fits in the same KV memory with contiguous slabs
 against paged blocks, and the decode tokens/s the engine reaches at each.
 
-    python benchmarks/bench_paging_payoff.py --out lessonlib/results/paging-payoff-h200.json
+    python -m benchmarks.bench_paging_payoff --out lessonlib/results/paging-payoff-h200.json
 
 The random-weight Llama-3.2-1B-shaped model of bench_engine.py, bf16. A KV pool of 16 slabs of 2,048 tokens (1 GiB);
 requests with lesson 03's spread of lengths (median 300 tokens), each generating 32 tokens. Slabs fit 16 sequences;
@@ -15,21 +15,18 @@ workload and the measurement. About a minute and a half on an H200, most of it b
 from __future__ import annotations
 
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from bench_engine import LLAMA_1B, TINY, build_checkpoint  # noqa: E402
-from lessonlib import bench, runtime  # noqa: E402
-from lessonlib.cases import paging_payoff  # noqa: E402
-from lessonlib.measure import warm_up_gpu  # noqa: E402
-from lessonlib.results import Benchmark  # noqa: E402
+from lessonlib.cases.engine_models import LLAMA_1B, TINY, build_checkpoint
+from lessonlib import bench, runtime
+from lessonlib.cases import paging_payoff
+from lessonlib.measure import warm_up_gpu
+from lessonlib.results import Benchmark
 
 REPEATS, SMOKE_REPEATS = 5, 2
 

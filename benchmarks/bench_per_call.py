@@ -1,6 +1,6 @@
 """Issue 27's per-call row: swiglu and add_rms_norm called one at a time from Python, against eager PyTorch.
 
-    python benchmarks/bench_per_call.py --out lessonlib/results/per-call-h200.json
+    python -m benchmarks.bench_per_call --out lessonlib/results/per-call-h200.json
 
 At decode sizes an op's time is its host time: the Python of validation, allocation and Triton's launch. Each op,
 bf16, at T=1 and T=128 (hidden 4096, intermediate 14336: bench_fusion.py's shapes), through
@@ -26,21 +26,19 @@ import contextlib
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from lessonlib import bench, ops, reference, runtime  # noqa: E402
-from lessonlib.measure import warm_up_gpu  # noqa: E402
-from lessonlib.ops import _launcher  # noqa: E402
-from lessonlib.ops._common import pdl_options  # noqa: E402
-from lessonlib.ops.add_rms_norm import _add_rms_norm_kernel, config as add_rms_norm_config  # noqa: E402
-from lessonlib.ops.swiglu import _swiglu_kernel, config as swiglu_config  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op, Regime  # noqa: E402
-from lessonlib.testing import check_close, to_float64  # noqa: E402
+from lessonlib import bench, ops, reference, runtime
+from lessonlib.measure import warm_up_gpu
+from lessonlib.ops import _launcher
+from lessonlib.ops._common import pdl_options
+from lessonlib.ops.add_rms_norm import _add_rms_norm_kernel, config as add_rms_norm_config
+from lessonlib.ops.swiglu import _swiglu_kernel, config as swiglu_config
+from lessonlib.results import Benchmark, Impl, Op, Regime
+from lessonlib.testing import check_close, to_float64
 
 SIZES, SMOKE_SIZES = (4096, 14336), (256, 384)  # hidden H, intermediate I
 TOKENS, SMOKE_TOKENS = (1, 128), (1, 5)

@@ -1,6 +1,6 @@
 """Lesson 07's load benchmark: OpenAI-compatible servers under Poisson traffic, through the real ``openai`` client.
 
-    python benchmarks/bench_serving.py --out lessonlib/results/serving-h200.json [--budget-s 300] [--logs DIR]
+    python -m benchmarks.bench_serving --out lessonlib/results/serving-h200.json [--budget-s 300] [--logs DIR]
 
 (on the lab's H200, with the carried wheels: ``bash tools/gpu_serving.sh``, which runs bench_chunked_prefill.py
 first, so that this run finds Triton's kernels compiled.)
@@ -58,10 +58,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
-from lessonlib import bench, tiny_model  # noqa: E402
-from lessonlib.results import Benchmark, Impl, Op  # noqa: E402
+from lessonlib import bench, tiny_model
+from lessonlib.results import Benchmark, Impl, Op
 
 RATES = (2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0)  # requests per second, geometric: brackets each knee
 ARRIVAL_S = 5.0  # each rate sends about this many seconds of arrivals (rate x ARRIVAL_S requests) ...

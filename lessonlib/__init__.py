@@ -1,12 +1,28 @@
 """lessonlib: the helper package of the course "Fast Attention Kernels & Operator Fusion".
 
-* ``lessonlib.runtime``: where kernels run (GPU, or Triton's interpreter on CPU) and problem sizes for each.
-* ``lessonlib.reference``: plain-PyTorch definitions (no Triton).
-* ``lessonlib.ops``: the same functions as fused Triton kernels.
-* ``lessonlib.measure``, ``lessonlib.traffic``, ``lessonlib.results``: timing, launch counts, the bytes-and-FLOPs
-  model, recorded GPU runs.
+The map (one line per module; ``tests/test_code_shape.py`` holds it to the folder):
+
+* ``lessonlib.runtime``: where kernels run (GPU, or Triton's interpreter on CPU), the GPU profile, problem sizes.
+* ``lessonlib._interpreter``: Triton's interpreter without its repeated re-patching cost (used by ``runtime``).
+* ``lessonlib.reference``: plain-PyTorch definitions of every op (no Triton).
+* ``lessonlib.ops``: the same ops as fused Triton kernels, one op per file.
+* ``lessonlib.sdpa``, ``lessonlib.flex_paged``: PyTorch's SDPA on chosen backends; paged decode through FlexAttention.
+* ``lessonlib.kv_cache``, ``lessonlib.kv_memory``: paged KV-cache bookkeeping; KV memory reserved against used.
+* ``lessonlib.decoder``, ``lessonlib.cuda_graphs``: lesson 05's decoder layer step, and capture and replay.
+* ``lessonlib.compiler``: inside torch.compile (lesson 04).
+* ``lessonlib.traffic``: the bytes-and-FLOPs model of each op, eager chain against fused.
+* ``lessonlib.measure``, ``lessonlib.measured``: timing and launch counts; lesson 01's ops timed live beside the
+  recorded run.
+* ``lessonlib.bench``, ``lessonlib.cases``, ``lessonlib.results``: the benchmark harness, the timed cases the
+  benchmarks and the live views share, the results format; ``results/`` holds the recorded GPU runs.
 * ``lessonlib.plots``, ``lessonlib.widgets``: figures and interactive views for the notebooks.
-* ``lessonlib.exercises``: checkers for the exercises.
+* ``lessonlib.claims``: the source texts' measurable claims, each with its computed verdict (lesson 05).
+* ``lessonlib.exercises``, ``lessonlib.hints``, ``lessonlib.grading``: the exercises' checkers, their hints, and the
+  grader.
+* ``lessonlib.engine``: lesson 07's serving engine (and its OpenAI-compatible server, ``engine.serve``).
+* ``lessonlib.serving``, ``lessonlib.tiny_model``: lesson 06's bridge to vLLM; tiny models built with nothing
+  downloaded.
+* ``lessonlib.testing``: checking a fast kernel against its reference (tests and checkers alike).
 * ``lessonlib.install``: what lesson 06's set-up cell installs (imports no torch).
 
 Importing ``lessonlib`` imports nothing else: no Triton, so it never locks the wrong runtime mode, and no torch, so

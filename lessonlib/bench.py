@@ -73,6 +73,14 @@ def _error(error: BaseException) -> str:
     return f"{type(error).__name__}: {first}"[:300]
 
 
+def command_line() -> str:
+    """The command that started this process, as a reader retypes it from the repository's root:
+    ``python -m benchmarks.bench_fusion --out FILE`` (run as a module), else ``python SCRIPT ARGS``."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    start = ["-m", spec.name] if spec is not None else sys.argv[:1]
+    return " ".join(["python", *start, *sys.argv[1:]])
+
+
 class Run:
     """One benchmark run: its records and notes, a progress line per record, and the file with its provenance."""
 
@@ -82,7 +90,7 @@ class Run:
         self.dtype = dtype or runtime.dtype()  # bfloat16 where the GPU has it, float16 on a T4 and the interpreter
         self.records: list[dict] = []
         self.notes: dict = {}
-        self.command = " ".join(["python", *sys.argv])
+        self.command = command_line()
 
     def add(self, op: str, impl: str, shape: dict, **fields) -> dict:
         """Store one record (its labels checked against lessonlib.results) and print its progress line."""

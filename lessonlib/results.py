@@ -5,7 +5,7 @@ A results file is JSON::
     {
       "format": "lessonlib-results/1",
       "benchmark": "fusion",
-      "command": "python benchmarks/bench_fusion.py --out ...",
+      "command": "python -m benchmarks.bench_fusion --out ...",
       "environment": {"gpu": "NVIDIA H200", "torch": "2.11.0+cu130", "triton": "3.6.0", "cuda": "13.0",
                       "date": "2026-11-30T10:00:00+00:00"},
       "ceilings": {"bandwidth_gbs": ..., "matmul_tflops": ...},

@@ -68,7 +68,7 @@ def mode() -> str:
 def _record_peak_memory(path: str) -> None:
     """Keep ``path`` holding this process's peak GPU memory (``torch.cuda.max_memory_allocated``) as one JSON line:
     rewritten after every notebook cell (a kernel that nbval shuts down runs no exit handler), and at exit. How
-    benchmarks/NOTES.md records each notebook's peak, natively and under LESSONLIB_GPU_PROFILE."""
+    tools/gpu_check.sh records each notebook's peak, natively and under LESSONLIB_GPU_PROFILE."""
     import json
 
     def write(*_):

@@ -17,12 +17,12 @@ from lessonlib.ops import _launcher
 from lessonlib.results import Benchmark, Impl, Op, is_sweep, kernels_sweep_label, recorded_name, sweep_label
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
 def run_script(script: str, *flags) -> subprocess.CompletedProcess:
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *flags],
-                         capture_output=True, text=True, timeout=600)
+    module = "benchmarks." + script.removesuffix(".py").replace("/", ".")
+    run = subprocess.run([sys.executable, "-m", module, *flags], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     return run
 
@@ -36,15 +36,15 @@ def run_smoke(script: str, tmp_path) -> results.Results:
 @pytest.mark.parametrize("name", ["fusion", "flash_attention", "paged_attention", "cuda_graphs", "headline", "engine",
                                   "flash_attention_schedules", "per_call"])
 def test_every_benchmark_imports_on_cpu_and_names_its_own_results_file(name):
-    module = importlib.import_module(f"bench_{name}")
+    module = importlib.import_module(f"benchmarks.bench_{name}")
     assert callable(module.main)
     assert (results.RESULTS_DIR / f"{recorded_name(getattr(Benchmark, name.upper()))}.json").exists()
 
 
 def test_sweep_tables_make_the_labels_the_committed_runs_hold():
-    import bench_flash_attention
-    import bench_fusion
-    import bench_paged_attention
+    from benchmarks import bench_flash_attention
+    from benchmarks import bench_fusion
+    from benchmarks import bench_paged_attention
 
     labels = [sweep_label(knobs) for knobs in bench_paged_attention.KNOBS]
     labels += [sweep_label(c) for c in bench_flash_attention.FORWARD_CONFIGS]
@@ -59,7 +59,7 @@ def test_sweep_tables_make_the_labels_the_committed_runs_hold():
 
 
 def test_forward_variants_are_the_plotted_budget_rows():
-    import bench_flash_attention
+    from benchmarks import bench_flash_attention
 
     assert set(bench_flash_attention.FORWARD_VARIANTS.values()) == {impl for impl, _, _ in plots.FORWARD_BUDGET}
 
@@ -103,7 +103,7 @@ def test_bench_fusion_smoke_writes_a_results_file(tmp_path):
 
 
 def test_bench_per_call_smoke_times_each_launch_path_against_eager_in_both_orders(tmp_path):
-    import bench_per_call
+    from benchmarks import bench_per_call
 
     recorded = run_smoke("bench_per_call.py", tmp_path)
     assert recorded.benchmark == Benchmark.PER_CALL and "--smoke" in recorded.command
@@ -177,7 +177,7 @@ def test_bench_flash_attention_schedules_smoke_records_each_technique_checked(tm
     """Every technique at every tile configuration, forward and backward, beside the peers; each timed result was
     checked within the allowed error first. In the interpreter every configuration runs; on a GPU one Triton cannot
     compile for the profile (TMA before sm_90, warp specialization) may carry its error instead."""
-    import bench_flash_attention_schedules as schedules
+    from benchmarks import bench_flash_attention_schedules as schedules
 
     recorded = run_smoke("bench_flash_attention_schedules.py", tmp_path)
     peer = Impl.SDPA_CUDNN if runtime.on_gpu() else Impl.SDPA
@@ -199,7 +199,7 @@ def test_bench_flash_attention_schedules_smoke_records_each_technique_checked(tm
 def test_bench_flash_attention_schedules_never_times_a_wrong_result():
     """A technique that computes otherwise than attention is recorded as wrong, with no time; one that fails to
     compile is recorded with its error; a result of another shape is the script's own bug and raises."""
-    import bench_flash_attention_schedules as schedules
+    from benchmarks import bench_flash_attention_schedules as schedules
 
     run = bench.Run(Benchmark.FLASH_ATTENTION_SCHEDULES, smoke=True)
     want, tiles = [torch.ones(2, 4)], (16, 16, 1, 1)
@@ -223,7 +223,7 @@ def test_bench_headline_smoke_and_every_headline_has_its_recorded_twin(tmp_path)
     recorded = run_smoke("bench_headline.py", tmp_path)
     assert recorded.benchmark == Benchmark.HEADLINE and {r["op"] for r in recorded.records} == {
         Op.SWIGLU, Op.ADD_RMS_NORM, Op.FORWARD, Op.PAGED_ATTENTION, Op.READ}
-    import bench_headline
+    from benchmarks import bench_headline
 
     cases = [(op, shape, impl, "gbps") for op, shape in bench_headline.FUSION for impl in (Impl.LESSONLIB, Impl.COPY)]
     cases += [(Op.FORWARD, shape, impl, "tflops") for shape in bench_headline.FLASH
@@ -383,7 +383,7 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
     assert {r["impl"] for r in recorded.records} == {Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL,
                                                      Impl.HF_SERVE}
     assert plots.serving_latency(recorded).axes and plots.serving_latency(recorded, workload="shared prefix").axes
-    import bench_serving
+    from benchmarks import bench_serving
 
     assert recorded.notes["targets"] == bench_serving.targets(recorded.records)  # computed from the run's records
 
@@ -396,7 +396,7 @@ def serving_row(impl, rate, ttft_p99_ms, itl_p99_ms, tokens_per_s, failed=0):
 def test_a_request_cut_by_the_benchmarks_deadline_is_not_past_the_knee_but_a_server_error_is():
     """The knee is a TTFT rule: a rate whose p99 TTFT is under 2 s stays under the knee when requests were cut short
     by the benchmark's own deadline (their TTFT is counted), and is past it when the server failed one."""
-    import bench_serving
+    from benchmarks import bench_serving
 
     row = {"ttft_ms": {"p99": 245.0}, "failed": 1, "cut_by_deadline": 1}
     assert not bench_serving.past_knee(row)
@@ -410,7 +410,7 @@ def test_a_knee_no_rate_passed_is_a_lower_bound_and_decides_only_what_it_can():
     """A server whose time ran out before a rate past its knee has a knee of at least its highest rate: against a
     peer's unreached knee our ratio is an upper bound (a 'met' undecided, a 'missed' still missed), against our own
     unreached knee a lower bound (a 'met' still met); the latencies at an unreached peer knee are recorded, undecided."""
-    import bench_serving
+    from benchmarks import bench_serving
 
     rng = random.Random()
     peer_top = 2.0 ** rng.randrange(1, 4)  # the peer's last rate, still under its knee
@@ -453,7 +453,7 @@ def test_a_knee_no_rate_passed_is_a_lower_bound_and_decides_only_what_it_can():
 def test_serving_targets_are_read_from_the_records():
     """Issue 26's verdicts on hand-made records: the knee is the highest rate before the first one past 2 s (or with a
     failure), the latencies are compared at the peer's knee, the saturation throughput is each schedule's best."""
-    import bench_serving
+    from benchmarks import bench_serving
 
     rng = random.Random()
     peer_knee = 2.0 ** rng.randrange(1, 4)
@@ -479,64 +479,10 @@ def test_serving_targets_are_read_from_the_records():
     assert got["saturation_chunked_over_prefill_first"] == 0.96 and got["met_saturation"] is True
 
 
-def test_the_persistent_chain_kernel_computes_each_round_from_the_last():
-    """benchmarks/experiments/persistent_gemv_chain.py's kernel with one program (its barrier then waits for nobody,
-    so the interpreter runs it too), on odd widths and a partial last tile; and its per-round check names a round that
-    read another round's vector."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
-    import persistent_gemv_chain as chain
-
-    import triton
-
-    device = runtime.device()
-    for k, block_n in ((24, 4), (13, 8)):
-        rounds = 3
-        w = torch.randn(rounds, k, k, device=device) / k ** 0.5
-        y = torch.full((rounds + 1, k), float("nan"), device=device)  # poisoned: every round writes its vector whole
-        y[0] = torch.randn(k, device=device)
-        counter = torch.zeros(1, dtype=torch.int32, device=device)
-        chain._persistent_chain_kernel[(1,)](w, y, counter, rounds, k, BLOCK_N=block_n,
-                                             BLOCK_K=triton.next_power_of_2(k), WORK=True)
-        assert counter.item() == rounds
-        # float32 throughout, K <= 24: only the order of summation differs from torch's (a few float32 units)
-        assert chain.worst_round_error(w, y) < 1e-5
-        stale = y.clone()
-        stale[2] = stale[1]
-        assert chain.worst_round_error(w, stale) > 0.1
-
-
-def test_the_streaming_gemv_kernel_walks_its_tiles(dtype):
-    """benchmarks/experiments/decode_gemv_streaming.py's kernel: fewer programs than tiles (each walking its tiles),
-    one tile a program, partial last row tiles and K slices, with and without the next step's weights loaded first
-    and the eviction hint; outputs poisoned (NaN), the element past the end left alone. Against float64 products,
-    each element within the float32 sum's error bound (K float32 units of sum |w x|) plus one unit of the dtype (the
-    output's rounding); and the experiment's own check (relative_error) names a wrong output."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
-    import decode_gemv_streaming as streaming
-
-    device = runtime.device()
-    for n, k, programs, block_n, block_k in ((37, 70, 3, 8, 32), (64, 64, None, 16, 64), (9, 100, None, 4, 32),
-                                             (5, 33, 7, 4, 16)):
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        x = torch.randn(k, device=device, dtype=dtype)
-        out = torch.empty(n + 1, device=device, dtype=dtype)
-        for eviction in ("", "evict_first"):
-            for prefetch in (True, False):
-                out.fill_(float("nan"))
-                streaming.streaming_gemv(x, w, out[:n], programs, block_n, block_k, 4, eviction, prefetch)
-                assert torch.isnan(out[n]), "wrote past the end"
-                truth = w.double() @ x.double()
-                bound = k * torch.finfo(torch.float32).eps * (w.double().abs() @ x.double().abs()) \
-                    + torch.finfo(dtype).eps * truth.abs()
-                assert ((out[:n].double() - truth).abs() <= bound).all(), (n, k, programs, eviction, prefetch)
-        assert streaming.relative_error(out[:n].roll(1), w, x) > 0.1
-
-
 def test_the_step_profile_finds_the_layers_kernels():
     """decode_step_profile.summarize on a made-up replay: 2 kernels before the layers, 3 layers of 3 kernels (the
     second overlapping the first, as under PDL), 1 after; each role's advance is how far the step's end moved."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
-    import decode_step_profile as profile
+    from benchmarks.experiments import decode_step_profile as profile
 
     replay, t = [], 0.0
     for name, length, overlap in [("embed", 2, 0), ("cos", 1, 0)] + [("qkv", 5, 0), ("attn", 4, 3), ("o", 2, 0)] * 3 \
@@ -552,85 +498,3 @@ def test_the_step_profile_finds_the_layers_kernels():
     assert summary["idle_us"] == 0 and summary["span_us"] == 2 + 1 + 3 * 8 + 10
 
 
-def test_decode_attention_variants_equal_the_lesson_kernel(dtype, monkeypatch):
-    """benchmarks/experiments/decode_attention_latency.py's split kernel (loads before its wait, and the last split of
-    each KV head reducing) against ops.paged_attention at the same split count, outputs poisoned (NaN) before the
-    kernels write them, a split past a sequence's end and a partial last block included; the counter is back at zero
-    after each call. In the interpreter equal (the same NumPy operations in the same order); on a GPU within one unit
-    of the dtype per element (the compiled code may order a sum otherwise: the experiment measures whether it does)."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
-    import decode_attention_latency as latency
-
-    from lessonlib import ops
-
-    empty, device = torch.empty, runtime.device()
-
-    def poisoned(*args, **kwargs):
-        t = empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-    def agree(got, want):
-        return torch.equal(got, want) if not runtime.on_gpu() else latency.units(got, want) <= 1
-
-    monkeypatch.setattr(torch, "empty", poisoned)
-    block_size, head_dim, max_blocks = 16, 16, 5
-    for heads, kv_heads in ((4, 2), (3, 1)):
-        k_cache = torch.randn(11, block_size, kv_heads, head_dim, device=device).to(dtype)
-        v_cache = torch.randn_like(k_cache)
-        q = torch.randn(2, heads, head_dim, device=device).to(dtype)
-        table = torch.stack([torch.randperm(11)[:max_blocks] for _ in range(2)]).to(torch.int32).to(device)
-        seq_lens = torch.tensor([random.randint(2 * block_size + 1, 3 * block_size - 1), random.randint(1, 15)],
-                                dtype=torch.int32, device=device)
-        counter = torch.zeros(2, kv_heads, dtype=torch.int32, device=device)
-        for splits in (1, 2, 5):
-            want = ops.paged_attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits)
-            for reduce_last in (False, True):
-                got = latency.attention(q, k_cache, v_cache, table, seq_lens, num_splits=splits,
-                                        reduce_last=reduce_last, counter=counter)
-                assert agree(got, want), (heads, splits, reduce_last, (got.float() - want.float()).abs().max())
-                assert not counter.any()
-
-
-@pytest.mark.skipif(runtime.on_gpu(), reason="on a GPU the experiment's own run makes these checks, bit for bit where "
-                    "it claims so; the smoke run is its plumbing, in the interpreter")
-def test_decode_attention_experiment_smoke_checks_every_variant_in_the_step(tmp_path):
-    """decode_attention_latency.py --smoke: a tiny engine's fused decode step with each attention variant, in the
-    interpreter; every variant agrees with the lesson kernel at its split count (the op alone and the step's
-    logits), and nothing is timed."""
-    import json
-
-    out = tmp_path / "smoke.json"
-    run_script("experiments/decode_attention_latency.py", "--smoke", "--out", str(out))
-    rows = json.loads(out.read_text())["results"]
-    assert len(rows) == 6 and all(r["agrees"] and r["step_logits_equal"] for r in rows), rows
-    assert not any("gpu_us" in r for r in rows)
-
-
-def test_qkv_attention_equals_the_qkv_op_then_paged_attention(dtype):
-    """benchmarks/experiments/decode_qkv_attention.py's kernel (the qkv product, RoPE, the K/V write, then each KV
-    head's attention by the last of its programs) against ops.decode_qkv_rope_store_kv then ops.paged_attention with
-    one split: q, both pools after the write, and the attention output. An odd hidden size (a masked K tile), groups
-    of 2 and 3 query heads, a partial last cache block. Equal in the interpreter; within one unit of the dtype per
-    element on a GPU (the compiled sums may be ordered otherwise: the experiment measures whether they are)."""
-    sys.path.insert(0, str(ROOT / "benchmarks" / "experiments"))
-    import decode_qkv_attention as fused
-
-    for heads, kv_heads, context in ((4, 2, 37), (6, 2, 16), (3, 1, 5)):
-        worst = fused.op_check(heads, kv_heads, 16, 24, max_blocks=4, context=context, dtype=dtype,
-                               device=runtime.device())
-        assert worst <= (1 if runtime.on_gpu() else 0), (heads, kv_heads, context, worst)
-
-
-@pytest.mark.skipif(runtime.on_gpu(), reason="on a GPU the experiment's own run makes these checks; the smoke run is "
-                    "its plumbing, in the interpreter")
-def test_qkv_attention_experiment_smoke_runs_the_four_kernel_layer_in_the_step(tmp_path):
-    """decode_qkv_attention.py --smoke: a tiny engine's step with the four-kernel layer gives the one-split six-kernel
-    engine's logits bit for bit in the interpreter; nothing is timed."""
-    import json
-
-    out = tmp_path / "smoke.json"
-    run_script("experiments/decode_qkv_attention.py", "--smoke", "--out", str(out))
-    rows = json.loads(out.read_text())["results"]
-    four = [r for r in rows if r["layer"].startswith("four")]
-    assert len(rows) == 3 and len(four) == 1 and four[0]["agrees"] and four[0]["step_logits_equal"], rows
-    assert not any("gpu_us" in r for r in rows)

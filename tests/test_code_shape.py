@@ -1,5 +1,5 @@
-"""Issue 13's size rules, so they stay true: no function in lessonlib/ or benchmarks/ over 80 lines, no file in
-lessonlib/ over 400 lines (CONTRIBUTING.md: past that, split by job or by lesson)."""
+"""The size rules, so they stay true: no function in lessonlib/, benchmarks/ or tools/ over 80 lines, no file in
+lessonlib/ or tools/ over 400 lines (CONTRIBUTING.md: past that, split by job or by lesson)."""
 
 import ast
 from pathlib import Path
@@ -69,3 +69,31 @@ def test_one_class_one_name():
                 where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     twice = {name: paths for name, paths in where.items() if len(paths) > 1}
     assert not twice, f"one name, several classes: {twice}"
+
+
+def test_the_package_map_names_every_module_and_nothing_else():
+    """lessonlib/__init__.py's map is the package's table of contents: a module added or removed changes it."""
+    import re
+
+    import lessonlib
+
+    named = set(re.findall(r"``lessonlib\.(\w+)``", lessonlib.__doc__))
+    present = {p.stem for p in (ROOT / "lessonlib").iterdir()
+               if (p.suffix == ".py" and p.stem != "__init__") or (p / "__init__.py").exists()}
+    assert named == present, f"in the map only: {sorted(named - present)}; in the folder only: {sorted(present - named)}"
+
+
+def test_no_tools_file_over_400_lines_and_no_tools_function_over_80():
+    big = [f"{p.relative_to(ROOT)} ({n} lines)" for p in python_files("tools")
+           if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES]
+    long = [f"{p.relative_to(ROOT)}:{node.lineno} {node.name}" for p in python_files("tools")
+            for node in ast.walk(ast.parse(p.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+    assert not big and not long, f"too long: {big + long}"
+
+
+def test_no_benchmark_edits_the_import_path():
+    """benchmarks/ is a package run as modules from the repository's root (python -m benchmarks.bench_x)."""
+    edits = [f"{p.relative_to(ROOT)}" for p in python_files("benchmarks") if "sys.path.insert" in p.read_text()]
+    assert not edits, edits

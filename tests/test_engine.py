@@ -34,7 +34,7 @@ def transformers_greedy_ids(path, prompts: list[list[int]], max_tokens: int) -> 
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPE).eval()
     with torch.inference_mode():
-        # attention_mask given: else generate masks every id 0 (the pad id) in the prompt (benchmarks/NOTES.md)
+        # attention_mask given: else generate masks every id 0 (the pad id) in the prompt (benchmarks/experiments/generate_oracle.py)
         return [model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                max_new_tokens=max_tokens, do_sample=False, eos_token_id=None,
                                pad_token_id=0)[0, len(prompt):].tolist() for prompt in prompts]

@@ -1,5 +1,5 @@
 """Lesson 07's engine on each checkpoint family it loads (Llama 3, Qwen2, Qwen3, Mistral), against transformers'
-FULL forward (no KV cache, one forward per new token, float64): ``generate`` is no oracle (benchmarks/NOTES.md,
+FULL forward (no KV cache, one forward per new token, float64): ``generate`` is no oracle (benchmarks/experiments/generate_oracle.py,
 "generate is not the oracle"). Then what it refuses: every config field whose math it does not implement, and
 every checkpoint tensor that does not match the model by name and shape, each with its own clear error.
 

@@ -33,7 +33,7 @@ def test_decode_gaps_are_each_decodes_gaps_when_the_decodes_share_their_steps():
 
 
 def serving_targets_run(peer_knee: float, ours_knee: float, tokens: dict, peer_error: bool = False) -> Results:
-    import bench_serving
+    from benchmarks import bench_serving
 
     rng, records = random.Random(), []
     for rate in [2.0 ** k for k in range(1, 7)]:

@@ -6,7 +6,8 @@ tolerance. Off unless loaded and given a file; runs append, so repeated runs bui
     python -m tests.tolerance_hunt hunt.jsonl          # per check: the worst fraction over every run
 
 A tolerance that can fail at random shows up as a check whose worst fraction creeps toward 1 over many runs of
-fresh random inputs; the course asks every check's worst to stay at or below 0.5 (benchmarks/NOTES.md, session 11).
+fresh random inputs; the course asks every check's worst to stay at or below 0.5 of its tolerance, and this module's
+report exits 1 when one is above.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@
 # than one device call (10 minutes); with pytest-xdist (carried) both profiles fit in one call, side by side:
 #   LOG_DIR=$OUT bash tools/gpu_check.sh tests native -- tests -n 5 --dist loadfile &
 #   LOG_DIR=$OUT bash tools/gpu_check.sh tests t4 -- tests -n 4 --dist loadfile
-# (on the H200, 2026-12-04: 479 s and 437 s; benchmarks/NOTES.md, session 22).
+# (on the H200, 2026-12-04: 479 s and 437 s).
 # The whole `pytest tests`: tests/ops/test_compile_targets.py included (it compiles for every architecture
 # through a stand-in driver, needs no GPU, and there it checks the machine's own Triton, 3.6 on the lab's H200).
 # The browser tests skip there (no Chromium, JupyterLab or Playwright), each with its reason.

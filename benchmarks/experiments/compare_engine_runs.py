@@ -1,6 +1,6 @@
 """Issue 25's regression check: the engine's tokens/s in a new bench_engine.py run against the committed one.
 
-    python benchmarks/experiments/compare_engine_runs.py NEW.json [OLD.json]   # OLD: git HEAD's engine-h200.json
+    python -m benchmarks.experiments.compare_engine_runs NEW.json [OLD.json]   # OLD: git HEAD's engine-h200.json
 
 One line per (implementation, batch): old -> new tokens/s and their ratio.
 """

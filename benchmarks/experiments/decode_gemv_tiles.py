@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): which tiles for ops.decode_gemv, and what the fused batch-1 layer gives.
 
-    python benchmarks/experiments/decode_gemv_tiles.py [--smoke] [--out FILE]
+    python -m benchmarks.experiments.decode_gemv_tiles [--smoke] [--out FILE]
 
 Times the projections of a batch-1 decode step without attention, every layer with its own weights (nothing stays
 in the L2), captured in one CUDA graph and replayed (lessonlib.measure.time_graph), on the Llama-3.2-1B and
@@ -23,16 +23,14 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from lessonlib import ops, reference, runtime  # noqa: E402
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.ops._common import next_power_of_2  # noqa: E402
+from lessonlib import ops, reference, runtime
+from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu
+from lessonlib.ops._common import next_power_of_2
 
 decode_gemv = importlib.import_module("lessonlib.ops.decode_gemv")
 SHAPES = {  # hidden, intermediate, layers, heads, kv heads, head_dim

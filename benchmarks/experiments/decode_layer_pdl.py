@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): does programmatic dependent launch (PDL) shorten a batch-1 decode step?
 
-    python benchmarks/experiments/decode_layer_pdl.py [--smoke] [--out FILE]
+    python -m benchmarks.experiments.decode_layer_pdl [--smoke] [--out FILE]
 
 Session 7 found that at batch 1 each weight read (a GEMV, M = 1) pays a fixed ~7-8 us on the H200 that no tile choice
 removed: the next kernel starts only when the previous one has finished and its memory is flushed, and its first
@@ -24,19 +24,17 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
-from lessonlib.measure import time_graph, warm_up_gpu  # noqa: E402
+from lessonlib import ops, runtime  #  (before triton: it chooses the interpreter on a CPU)
+from lessonlib.measure import time_graph, warm_up_gpu
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 try:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait

@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): can a Triton kernel read a decode step's weights faster than cuBLAS?
 
-    python benchmarks/experiments/decode_linear.py [--smoke]
+    python -m benchmarks.experiments.decode_linear [--smoke]
 
 At decode a linear layer multiplies a few rows (the batch) by a weight matrix read once: y = x @ W.T with x (M, K),
 W (N, K), M = 1..32. The time is the weight read (N * K * 2 bytes). This sweeps a Triton kernel's tiles on the
@@ -15,19 +15,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from lessonlib import ops, runtime  # noqa: E402  (before triton: it chooses the interpreter on a CPU)
-from lessonlib.measure import time_fn, time_graph, warm_up_gpu  # noqa: E402
+from lessonlib import ops, runtime  #  (before triton: it chooses the interpreter on a CPU)
+from lessonlib.measure import time_fn, time_graph, warm_up_gpu
 
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+import triton
+import triton.language as tl
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): where the batch-1 decode step's time goes, kernel by kernel.
 
-    python benchmarks/experiments/decode_step_profile.py [--out FILE]
+    python -m benchmarks.experiments.decode_step_profile [--out FILE]
 
 bench_engine.py records the fused batch-1 step's GPU time against its bytes-read limit (0.677 on the Llama-3.2-1B
 shape, 0.369 on Qwen2.5-0.5B's); this says which kernels hold the rest. One engine per shape
@@ -17,22 +17,19 @@ no reduce kernel's work spread, the split kernel reads the whole context per KV 
 from __future__ import annotations
 
 import statistics
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import bench_engine  # noqa: E402
-import gpu_experiment  # noqa: E402
-from lessonlib import runtime  # noqa: E402
-from lessonlib.engine import LLM, Features, ModelConfig  # noqa: E402
-from lessonlib.measure import time_graph  # noqa: E402
+from lessonlib.cases import engine_models
+from benchmarks.experiments import gpu_experiment
+from lessonlib import runtime
+from lessonlib.engine import LLM, Features, ModelConfig
+from lessonlib.measure import time_graph
 
 CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step
-SHAPES = {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")}
+SHAPES = {"Llama-3.2-1B": (engine_models.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (engine_models.QWEN_05B, "Qwen2")}
 REPLAYS = 20
 
 
@@ -122,7 +119,7 @@ def profile_shape(name: str, path: Path, dtype: torch.dtype, bandwidth: float, f
     model, k, v = llm.model, llm.runner.k_caches, llm.runner.v_caches
     rows = []
     for splits in (None, 1):
-        with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
+        with engine_models.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
             ctx.decode_splits = splits
             step = lambda: model.logits(model(ids, positions, ctx, k, v))  # noqa: E731
             us = time_graph(step).median_us
@@ -152,9 +149,9 @@ def main():
     dtype = runtime.dtype()
     flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
     rows = []
-    for name, path in bench_engine.each_checkpoint(SHAPES, dtype, "decode-step-profile-"):
+    for name, path in engine_models.each_checkpoint(SHAPES, dtype, "decode-step-profile-"):
         rows += profile_shape(name, path, dtype, bandwidth, flush)
-    gpu_experiment.write_results(args.out, "python benchmarks/experiments/decode_step_profile.py", bandwidth, rows,
+    gpu_experiment.write_results(args.out, "python -m benchmarks.experiments.decode_step_profile", bandwidth, rows,
                                  context=CONTEXT)
 
 

@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): decode_gemv's tiles in the engine's whole batch-1 decode step.
 
-    python benchmarks/experiments/decode_step_tiles.py [--rounds 3] [--out FILE]
+    python -m benchmarks.experiments.decode_step_tiles [--rounds 3] [--out FILE]
 
 decode_gemv_tiles.py found qkv and gate_up faster together at (4, 2048, 4) than at ``decode_gemv.GPU_TILES``, in the
 projections alone (7.6% on the Llama-3.2-1B shape, none on Qwen2.5-0.5B's); bench_engine.py's batch-1 step, run
@@ -22,17 +22,15 @@ import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import torch  # noqa: E402
+import torch
 
-import bench_engine  # noqa: E402
-from decode_gemv_tiles import TOGETHER, with_table  # noqa: E402
-from lessonlib import runtime  # noqa: E402
-from lessonlib.engine import LLM, Features, ModelConfig  # noqa: E402
-from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu  # noqa: E402
-from lessonlib.results import environment  # noqa: E402
+from lessonlib.cases import engine_models
+from benchmarks.experiments.decode_gemv_tiles import TOGETHER, with_table
+from lessonlib import runtime
+from lessonlib.engine import LLM, Features, ModelConfig
+from lessonlib.measure import measure_ceilings, time_graph, warm_up_gpu
+from lessonlib.results import environment
 
 decode_gemv = importlib.import_module("lessonlib.ops.decode_gemv")
 CONTEXT = 128 + 128 // 2  # bench_engine.py's batch-1 step: the middle of a 128-token prompt's 128 new tokens
@@ -51,7 +49,7 @@ VARIANTS = {"GPU_TILES": ({}, ()), "qkv and gate_up (4, 2048, 4)": (TOGETHER, ()
             "gate_up (4, 2048, 4); same bytes: all": (GATE_UP, tuple(GPU_TILES))}
 EPILOGUES = {decode_gemv.STORE: "store", decode_gemv.RESIDUAL: "o and down (+ residual)",
              decode_gemv.SWIGLU: "gate_up (+ norm, SwiGLU)", decode_gemv.ROPE_KV: "qkv (+ norm, RoPE, KV store)"}
-SHAPES = {"Llama-3.2-1B": (bench_engine.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (bench_engine.QWEN_05B, "Qwen2")}
+SHAPES = {"Llama-3.2-1B": (engine_models.LLAMA_1B, "Llama"), "Qwen2.5-0.5B": (engine_models.QWEN_05B, "Qwen2")}
 
 
 def same_bytes(table, epilogues):
@@ -69,7 +67,7 @@ def same_bytes(table, epilogues):
 
 def step_us(llm: LLM) -> float:
     """GPU time of one batch-1 decode step, its CUDA graph replayed (bench_engine.batch_1_decode_step's timing)."""
-    with bench_engine.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
+    with engine_models.decode_inputs(llm, 1, CONTEXT) as (ctx, ids, positions), torch.inference_mode():
         model, k, v = llm.model, llm.runner.k_caches, llm.runner.v_caches
         return time_graph(lambda: model.logits(model(ids, positions, ctx, k, v))).median_us
 
@@ -90,7 +88,7 @@ def main():
     folder = Path(tempfile.mkdtemp(prefix="decode-step-tiles-", dir=runtime.scratch_dir()))
     try:
         for name, (shape, family) in SHAPES.items():
-            path = bench_engine.build_checkpoint(folder / name, shape, dtype, family)
+            path = engine_models.build_checkpoint(folder / name, shape, dtype, family)
             config = ModelConfig.from_folder(path)
             element = torch.empty((), dtype=dtype).element_size()
             step_bytes = (config.weight_bytes(element)
@@ -115,7 +113,7 @@ def main():
         shutil.rmtree(folder, ignore_errors=True)
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/decode_step_tiles.py --rounds " + str(args.rounds),
+            "command": "python -m benchmarks.experiments.decode_step_tiles --rounds " + str(args.rounds),
             "environment": environment(), "bandwidth_gbs": round(bandwidth / 1e9, 1), "context": CONTEXT,
             "tiles": "(BLOCK_N, BLOCK_K, num_warps) per epilogue; BLOCK_K no wider than K rounded up to a power of 2",
             "GPU_TILES": {EPILOGUES[k]: v for k, v in GPU_TILES.items()},

@@ -2,7 +2,7 @@
 what the custom-op dispatcher would add, and what Triton's plain ``kernel[grid]`` path costs against the cached
 launch (ops/_launcher.py). Runs on CPU (no GPU needed): the Python path is the same.
 
-    LESSONLIB_MODE=interpreter python benchmarks/experiments/dispatch_overhead_cpu.py
+    LESSONLIB_MODE=interpreter python -m benchmarks.experiments.dispatch_overhead_cpu
 
 For the launch rows, Triton's real ``JITFunction.run`` runs (binder, cache key, global check, launch metadata)
 against a stand-in driver (device 0, stream 0, an sm_90 target) and a stand-in compiled kernel whose C launcher
@@ -22,18 +22,16 @@ Microseconds per call, best of interleaved rounds (a shared, loaded machine adds
 
 import sys
 import timeit
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from lessonlib import ops, runtime  # noqa: E402
-from lessonlib.ops import _launcher  # noqa: E402
+from lessonlib import ops, runtime
+from lessonlib.ops import _launcher
 
-import triton  # noqa: E402  (after lessonlib.ops: the runtime mode is decided first)
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import CompiledKernel  # noqa: E402
+import triton  #  (after lessonlib.ops: the runtime mode is decided first)
+from triton.backends.compiler import GPUTarget
+from triton.compiler import CompiledKernel
 
 
 class StandInDriver:

@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): where does the fused GatedMLP's elementwise saving go?
 
-    python benchmarks/experiments/gated_mlp_parts.py [--out FILE] [--smoke]
+    python -m benchmarks.experiments.gated_mlp_parts [--out FILE] [--smoke]
 
 In lesson 01's recorded run, eager's silu·mul is about 15% of eager's whole GatedMLP at T=128-8192 and the fused
 swiglu kernel does that part in a quarter to two fifths of the time, yet lessonlib's FusedGatedMLP is no faster
@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from lessonlib import ops, reference, runtime  # noqa: E402
-from lessonlib.measure import time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.testing import check_close  # noqa: E402
+from lessonlib import ops, reference, runtime
+from lessonlib.measure import time_fn, warm_up_gpu
+from lessonlib.testing import check_close
 
 
 def parts(mlp: reference.GatedMLP, fused: ops.FusedGatedMLP, x: torch.Tensor) -> dict:

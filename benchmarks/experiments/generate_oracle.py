@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): why does transformers' ``generate`` part from its own no-cache forward?
 
-    python benchmarks/experiments/generate_oracle.py
+    python -m benchmarks.experiments.generate_oracle
 
 Issue 25 saw ``generate`` (float32, CPU, the course's tiny Qwen2) give other tokens than repeated full forwards
 for prompts of 257 tokens and more, and take it for a cache or mask path that changes at 256. Here the same prompt
@@ -23,12 +23,9 @@ forward (``lessonlib.serving.full_forward_greedy``), or against ``generate`` wit
 from __future__ import annotations
 
 import random
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
 
 def decode_four_ways(model, prompt: list[int], new_tokens: int = 4) -> dict[str, list[int]]:

@@ -1,7 +1,7 @@
 """Where one decode-size call's host time goes on the GPU's host: each part of ``ops.swiglu`` and
 ``ops.add_rms_norm`` timed alone, beside eager PyTorch's single ops (issue 27's per-call row).
 
-    python benchmarks/experiments/per_call_parts.py --out benchmarks/experiments/results/per-call-parts-h200.json
+    python -m benchmarks.experiments.per_call_parts --out benchmarks/experiments/results/per-call-parts-h200.json
 
 bench_per_call.py times whole calls; this splits them. Each row: ``CALLS`` back-to-back calls of one callable
 between two syncs, ``time.perf_counter``, median of ``ROUNDS`` rounds (rows interleaved, forward then reversed
@@ -39,20 +39,19 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
+import torch
+import torch.nn.functional as F
 
-from lessonlib import ops, runtime  # noqa: E402
-from lessonlib.measure import warm_up_gpu  # noqa: E402
-from lessonlib.ops import _launcher  # noqa: E402
-from lessonlib.ops._common import check_tensors, pdl_options  # noqa: E402
-from lessonlib.ops.add_rms_norm import _add_rms_norm_kernel, config as add_rms_norm_config  # noqa: E402
-from lessonlib.ops.swiglu import _swiglu_kernel, config as swiglu_config  # noqa: E402
-from lessonlib.results import environment  # noqa: E402
+from lessonlib import ops, runtime
+from lessonlib.measure import warm_up_gpu
+from lessonlib.ops import _launcher
+from lessonlib.ops._common import check_tensors, pdl_options
+from lessonlib.ops.add_rms_norm import _add_rms_norm_kernel, config as add_rms_norm_config
+from lessonlib.ops.swiglu import _swiglu_kernel, config as swiglu_config
+from lessonlib.results import environment
 
-import triton  # noqa: E402  (after lessonlib: the runtime mode is decided first)
+import triton  #  (after lessonlib: the runtime mode is decided first)
 
 CALLS, ROUNDS = 2000, 5
 
@@ -163,7 +162,7 @@ def main():
             print(f"  {name:32s} {t['us']:8.3f} us  ({t['min_us']:.3f}-{t['max_us']:.3f})")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "command": "python benchmarks/experiments/per_call_parts.py", "environment": environment(),
+            "command": "python -m benchmarks.experiments.per_call_parts", "environment": environment(),
             "timing": f"{CALLS} back-to-back calls between syncs, time.perf_counter; median of {ROUNDS} rounds "
                       "(rows interleaved, forward then reversed)", "results": results}, indent=1))
 

@@ -1,6 +1,6 @@
 """Experiment (not a recorded benchmark): why is torch.compile's RoPE faster than lessonlib's at T=8192?
 
-    python benchmarks/experiments/rope_layout.py [--out FILE]
+    python -m benchmarks.experiments.rope_layout [--out FILE]
 
 lessonlib's apply_rope runs one program per (batch row, token), which rotates every head of that token. In the
 (B, H, T, D) layout that lesson 01 times, a token's heads lie T * D elements apart (2 MB at T=8192, D=128 in bf16):
@@ -15,16 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-import torch  # noqa: E402
+import torch
 
-from lessonlib import ops, reference, runtime  # noqa: E402
-from lessonlib.measure import time_copy, time_fn, warm_up_gpu  # noqa: E402
-from lessonlib.testing import check_close, to_float64  # noqa: E402
+from lessonlib import ops, reference, runtime
+from lessonlib.measure import time_copy, time_fn, warm_up_gpu
+from lessonlib.testing import check_close, to_float64
 
 
 def tensors(layout, batch, heads, kv_heads, tokens, dim, dtype):

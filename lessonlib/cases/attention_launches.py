@@ -15,7 +15,7 @@ kernel's own start-up included); each record also carries the kernels one call l
 ``1 - fused / eager``, per call back to back (:func:`time_cuts`); the claims table (``lessonlib.claims``) and
 lesson 02 both read it from here.
 
-    python benchmarks/bench_attention_launches.py --out lessonlib/results/attention-launches-h200.json
+    python -m benchmarks.bench_attention_launches --out lessonlib/results/attention-launches-h200.json
 """
 
 from __future__ import annotations

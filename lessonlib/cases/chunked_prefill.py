@@ -12,8 +12,8 @@ tokens come out one ``step()`` call later). The timeline starts when the long pr
 inter-token gaps (ITL) are the times between its tokens' arrivals; the long prompt's time to first token (TTFT)
 runs from its arrival to its first token's.
 
-    python benchmarks/bench_chunked_prefill.py --out lessonlib/results/chunked-prefill-h200.json
-    python benchmarks/bench_chunked_prefill.py --smoke --out lessonlib/results/chunked-prefill-cpu.json
+    python -m benchmarks.bench_chunked_prefill --out lessonlib/results/chunked-prefill-h200.json
+    python -m benchmarks.bench_chunked_prefill --smoke --out lessonlib/results/chunked-prefill-cpu.json
 
 Without a GPU the engine runs its plain-PyTorch features (the interpreter's per-kernel cost would drown the
 tokens' cost, which is what chunking moves around), on ``CPU_MODEL``, a small Llama that makes a long prompt's

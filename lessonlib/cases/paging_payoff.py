@@ -10,7 +10,7 @@ batch then runs on the engine (``lessonlib.engine.LLM``: the same kernels either
 set to the batch) ``repeats`` times: every request admitted at once, no preemption (checked), decode tokens/s from
 the engine's step log (decode steps' tokens over their seconds), the median run's with the slowest and fastest.
 
-    python benchmarks/bench_paging_payoff.py --out lessonlib/results/paging-payoff-h200.json
+    python -m benchmarks.bench_paging_payoff --out lessonlib/results/paging-payoff-h200.json
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ compiled in as 1), so the key refines Triton's own rule: :func:`works_here` chec
 first cached launch.
 
 On by default on a GPU (``LESSONLIB_FAST_LAUNCH=0`` turns it off): on the H200, tests/ops/test_launcher.py checked
-it bit for bit against the plain launch for every public op, and the whole suite ran with it (benchmarks/NOTES.md).
+it bit for bit against the plain launch for every public op, and the whole suite ran with it (benchmarks/decisions/cached-launch.md).
 
 With Triton 3.6 (Colab's and the H200 host's), the compiled kernel's launcher is a Python ``CudaLauncher`` whose
 ``__call__`` only allocates scratch memory (none for the course's kernels) and calls ``self.launch``, a C function

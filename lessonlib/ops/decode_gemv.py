@@ -1,7 +1,7 @@
 """decode_gemv: ops.gemv with the work around it folded in, so a batch-1 decode layer takes six kernels, not nine.
 
 At batch 1 a decode step is bound by its kernel count, not by any one kernel: each projection reads its weights at
-about 1 TB/s with a fixed 7-8 us around it (benchmarks/NOTES.md). Today's layer: add_rms_norm, qkv gemv,
+about 1 TB/s with a fixed 7-8 us around it (benchmarks/decisions/gemv-with-pdl.md). Today's layer: add_rms_norm, qkv gemv,
 rope_store_kv, paged attention (split + reduce), o gemv, add_rms_norm, gate_up gemv (SwiGLU epilogue), down gemv.
 Here the norms, the RoPE and the K/V write and the residual adds ride in the projections' prologues and epilogues::
 

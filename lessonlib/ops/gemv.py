@@ -3,7 +3,7 @@ serving engine's projections at batch 1.
 
 Why a kernel: at batch 1 a decode step multiplies one row by each weight matrix, two FLOPs per weight read once,
 so its time is the weight read. Lesson 07's step reads 2.47 GB of weights through 65 such products (four per layer
-and the output head): 0.58 ms at the H200's copy bandwidth, but 1.12 ms of GPU time with cuBLAS (benchmarks/NOTES.md,
+and the output head): 0.58 ms at the H200's copy bandwidth, but 1.12 ms of GPU time with cuBLAS (benchmarks/decisions/gemv-with-pdl.md,
 session 7). Each product pays a fixed few microseconds: the next kernel starts only after the previous one has ended
 and flushed its writes, and its first weight bytes arrive a DRAM latency after that. cuBLAS reads an 8 MB matrix at
 about 0.9 TB/s this way.

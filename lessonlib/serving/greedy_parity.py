@@ -29,7 +29,7 @@ def hf_greedy(model_path: str, prompts: Sequence[str], max_tokens: int, dtype=to
     with torch.inference_mode():
         for prompt in prompts:
             ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
-            # attention_mask given: else generate masks a pad token found in the prompt (benchmarks/NOTES.md)
+            # attention_mask given: else generate masks a pad token found in the prompt (benchmarks/experiments/generate_oracle.py)
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, do_sample=False,
                                  eos_token_id=None, pad_token_id=tokenizer.pad_token_id)
             continuations.append(out[0, ids.shape[1]:].tolist())
@@ -120,7 +120,7 @@ def full_forward_greedy(model_path, prompts: Sequence[Sequence[int]], max_tokens
     """transformers' greedy continuations of token-id prompts with no KV cache: one forward of the whole sequence
     per new token, the argmax of its last position's logits, on the CPU (float64 by default: the truth). The
     oracle for an engine: ``generate``, with its KV cache and an attention mask it infers from pad tokens found in
-    the prompt, can part from its own model's forward (benchmarks/NOTES.md, "generate is not the oracle")."""
+    the prompt, can part from its own model's forward (benchmarks/experiments/generate_oracle.py)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=dtype).eval()
