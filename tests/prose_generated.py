@@ -7,6 +7,29 @@ from __future__ import annotations
 from tests.prose_figures import Given, Holds, Measured  # noqa: F401  (the kinds entries use)
 
 
+def _gather_case() -> dict:
+    """Lesson 03's predict-then-measure case (B=32, context 4096): paged attention and gather-then-SDPA, recorded."""
+    from lessonlib import results
+
+    run = results.load("paged-attention-h200")
+    return {impl: run.one(op="paged_attention", impl=impl, B=32, context=4096)
+            for impl in ("lessonlib", "gather pages, then SDPA")} | {"bandwidth": run.ceilings["bandwidth_gbs"]}
+
+
+def _gather_fractions_of_copy() -> list[float]:
+    """Paged attention's GB/s, and the gather path's three passes' GB/s, over the copy ceiling (graph-timed)."""
+    case = _gather_case()
+    paged, gather = case["lessonlib"], case["gather pages, then SDPA"]
+    return [paged["graph_gbps"] / case["bandwidth"],
+            3 * gather["bytes"] / (gather["graph_us"] * 1e-6) / 1e9 / case["bandwidth"]]
+
+
+def _per_call_us(impl: str) -> float:
+    from lessonlib import results
+
+    return next(r["us"] for r in results.load("fusion-h200").select(op="launch_overhead", impl=impl))
+
+
 def _launches(impl: str) -> int:
     """Kernels per call of ``impl`` in the recorded launch-bound attention run, one count for every shape."""
     from lessonlib import results
@@ -54,5 +77,32 @@ LREST = (
     Measured("lessonlib/plots/paged_attention.py", "-", "32 query heads over 8 KV heads", "over 8", _paged_kv_heads),
     Given("lessonlib/plots/paged_attention.py", "-", "whisker slowest to fastest", "what the whisker spans: a legend"),
     Given("lessonlib/plots/cuda_graphs.py", "-", "(lower is faster)", "how to read the axis"),
+)
+# lesson 00's roofline explorer and the traffic models it reads; lesson 03's RoPE exercise
+LREST += (
+    Given("lessonlib/widgets/__init__.py", "-", "fastest possible: eager",
+          "the roofline's floor, t_floor = max(bytes / bandwidth, FLOPs / peak): a definition (lesson 00)"),
+    Given("lessonlib/traffic.py", "-", "two launches", "the name of the two-kernel strategy the model counts"),
+    Given("lessonlib/traffic.py", "-", "neg(second half of", "a kernel's name: rotate_half negates the second half"),
+    Given("lessonlib/exercises/rope_store_kv.py", "-", "the first half of the output is x1 * cos - x2 * sin",
+          "rotate_half's definition (Llama's convention)"),
+)
+# lessons 03 and 05's predict-then-measure bands (lessonlib/exercises/predictions.py)
+LREST += (
+    Given("lessonlib/exercises/predictions.py", "-", "each of the three passes over",
+          "the model the exercise states: the gather reads the pages and writes a copy, SDPA reads the copy"),
+    Measured("lessonlib/exercises/predictions.py", "-", "the 537 MB of K and V", "537 MB",
+             lambda: _gather_case()["lessonlib"]["bytes"] / 1e6),
+    Holds("lessonlib/exercises/predictions.py", "-", "is memory-bound at this size, over 100 µs against a few µs",
+          lambda: min(r["us"] for k, r in _gather_case().items() if k != "bandwidth") > 100,
+          "both recorded paths over 100 µs a call; a launch costs a few µs (lesson 05)"),
+    Holds("lessonlib/exercises/predictions.py", "-", "both paths run at 85 to 90% of the copy bandwidth",
+          lambda: all(0.845 <= f < 0.905 for f in _gather_fractions_of_copy()),
+          "paged attention's GB/s and the gather path's three passes' GB/s over the recorded copy ceiling"),
+    Given("lessonlib/exercises/predictions.py", "-", "the byte ratio to about ±15%", "the checker's band (0.15)"),
+    Given("lessonlib/exercises/predictions.py", "-", "one launch's cost alone gives", "a mistake's name: one launch"),
+    Measured("lessonlib/exercises/predictions.py", "-", "(add_rms_norm: 50 µs)", "50 µs",
+             lambda: _per_call_us("lessonlib.ops.add_rms_norm")),
+    Given("lessonlib/exercises/predictions.py", "-", "about ±30% either way", "the checker's band (0.30)"),
 )
 GENERATED = GENERATED + LREST
