@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -58,9 +59,12 @@ class GraphBreak:
 
 
 def graph_breaks(fn, *args) -> list[GraphBreak]:
-    """Where and why Dynamo splits ``fn`` into several graphs (``torch._dynamo.explain``)."""
+    """Where and why Dynamo splits ``fn`` into several graphs (``torch._dynamo.explain``). Dynamo's own warning
+    about a call it cannot trace says the same as the break's reason, at length: it is silenced here."""
     torch._dynamo.reset()
-    report = torch._dynamo.explain(fn)(*args)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Dynamo does not know how to trace", category=UserWarning)
+        report = torch._dynamo.explain(fn)(*args)
     breaks = []
     for item in report.break_reasons:
         frame = item.user_stack[-1] if item.user_stack else None

@@ -19,6 +19,16 @@ from lessonlib.results import Impl, Op
 from tests.prose_figures import ROOT, VAGUE, Given, Holds, Measured, output
 
 QUOTED = "a source text's own words, quoted; lesson 05's table of claims gives the verdict"
+
+
+def quoted(notebook: str, cell: str, phrase: str, text: str = "the news item") -> Holds:
+    """A phrase of a source text, quoted: its figures are the text's, and it must be in the quotation registry as the
+    words of ``text`` (tests/test_quotations.py checks the registry against the texts themselves)."""
+    from lessonlib.claims.quotations import registered
+
+    return Holds(notebook, cell, f'"{phrase}"',
+                 lambda: (registered(phrase) is not None and text.removeprefix("the ") in registered(phrase).sources),
+                 f"{QUOTED}; registered in lessonlib/claims/quotations.py as {text}'s words")
 A_FEW = 0.05  # "a few percent", "within a few percent": at most 5%
 SEVERAL = 3.0  # "several times": at least three times
 
@@ -441,11 +451,27 @@ LESSON_02 = (
           "the fastest recorded decode below NVIDIA's H200 data sheet's 4.8 TB/s"),
 )
 
+
+def in_code(notebook: str, cell: str, text: str) -> bool:
+    """Whether a code cell's source says ``text``: a size or shape the text names is the one the code uses."""
+    from tests.prose_figures import flat, notebook as read
+
+    return flat(text) in flat(next(c for c in read(notebook).cells if c.get("id") == cell).source)
+
+
+def published(date: str) -> bool:
+    from lessonlib.claims.quotations import NEWS
+
+    return NEWS.date == date
+
+
+DEFINITION = "a definition the sentence states, not a measurement"
+
 # --- lessons 00, 03, 04 -------------------------------------------------------------------------------------------
 
 LESSONS_00_03_04 = (
-    Given("00_setup_and_roofline", "fcaa2556", "launch overhead is \"cut by up to 70%\" and that CUDA graphs "
-          "\"deliver another 10–15% latency reduction\"", QUOTED),
+    quoted("00_setup_and_roofline", "fcaa2556", "cutting kernel launch overhead by up to 70%"),
+    quoted("00_setup_and_roofline", "fcaa2556", "another 10–15% latency reduction"),
     Given("00_setup_and_roofline", "69b34320", "cannot finish faster than", "the roofline's definition"),
     Given("00_setup_and_roofline", "4255c7ba", "only fewer bytes make it faster", "what memory-bound means"),
     Measured("00_setup_and_roofline", "bb6397d8", "sit near **1 FLOP per byte**", "1 FLOP",
@@ -458,6 +484,65 @@ LESSONS_00_03_04 = (
           lambda: kv_memory.reservation(kv_memory.request_lengths(n=256, median=600, max_len=4096), 4096,
                                         16).paged_waste < 0.01, "kv_memory over lesson 03's request lengths"),
     Given("03_paged_attention", "70ab587c", "half of D need not be a power of two", "arithmetic on a head size"),
+    # lesson 00: the sources' citation, definitions, the roofline's sizes
+    Holds("00_setup_and_roofline", "fcaa2556", "published by Tefisc Fact Engine on November 12, 2026",
+          lambda: published("November 12, 2026"), "the news item's date as the quotation registry cites it"),
+    Given("00_setup_and_roofline", "4255c7ba", "one kernel per operator", DEFINITION + " (what eager means)"),
+    Holds("00_setup_and_roofline", "bb6397d8", "The GatedMLP's GEMMs at 8192 tokens are far above the ridge",
+          lambda: traffic.gated_mlp(8192, 4096, 14336).fused.intensity > 5 * results.recorded_ceilings().ridge_intensity,
+          "far above: more than five times the recorded ridge point, in FLOP per byte (lessonlib.traffic)"),
+    Holds("00_setup_and_roofline", "61025d82", "at one token the GatedMLP is memory-bound, at 8192 it is compute-bound",
+          lambda: "T=1: memory-bound" in output("00_setup_and_roofline", "350644c4")
+          and "T=8192: compute-bound" in output("00_setup_and_roofline", "350644c4"), "the cell below's stored output"),
+    Given("00_setup_and_roofline", "57443023", "the vector 0, 1, ..., BLOCK - 1", "tl.arange's definition"),
+    Given("00_setup_and_roofline", "57443023", "the address of element 0", DEFINITION),
+    Given("00_setup_and_roofline", "66c012c2", "masked lanes must add 0", "the identity of a sum"),
+    Given("00_setup_and_roofline", "67019c48", "puzzles 1 and 2 with grids of 1, 2, 3, ... programs",
+          "names of the puzzles above, and grid sizes counted up"),
+    Given("00_setup_and_roofline", "587d83c8", "fuses each into one Triton kernel", "what lesson 01 builds: one kernel an op"),
+    # lesson 03
+    Holds("03_paged_attention", "ddcdeaf3", "256 requests with a realistic spread",
+          lambda: in_code("03_paged_attention", "333e9b9a", "request_lengths(n=256"), "the requests the next cell draws"),
+    Given("03_paged_attention", "72a2c10c", "16 is vLLM's default on GPUs",
+          "vLLM's default block_size on CUDA (vllm's CacheConfig; the tutorial's example sets it too)"),
+    Holds("03_paged_attention", "72a2c10c", "logical blocks 0 1 2 3 live in physical blocks 17 4 29 8",
+          lambda: in_code("03_paged_attention", "633e3c78", "example_table = [17, 4, 29, 8]"),
+          "the tutorial's block table, the one the next cell draws"),
+    Given("03_paged_attention", "86bcb642", "append the blocks that reach 0 to `free_blocks`. A block already at 0",
+          "a reference count of zero: a free block (the exercise's definition)"),
+    Holds("03_paged_attention", "66a7ae15", "lengths from 1 to 100",
+          lambda: "lengths 1-100" in output("03_paged_attention", "689dbf8d"), "the checker's stored report"),
+    Holds("03_paged_attention", "70ab587c", "(80 / 2 = 40)",
+          lambda: "head_dim 2 to 80" in output("03_paged_attention", "724fde6a"),
+          "80: the largest head size the checker tries (its stored report); 40 is its half"),
+    Given("03_paged_attention", "d16831f5", "the rotated k is written to memory by one kernel", DEFINITION),
+    Given("03_paged_attention", "d16831f5", "here, one kernel that rotates q", "what the exercise writes: one kernel"),
+    Given("03_paged_attention", "145d158f", "no longer written by one kernel and read back by the next, and one launch "
+          "goes away", "two kernels made one (the exercise above)"),
+    Holds("03_paged_attention", "145d158f", "a decode step of 64 sequences (Llama-3-8B's heads) and a prefill chunk of "
+          "4,096 tokens", lambda: in_code("03_paged_attention", "1e1e0501",
+                                          '(("decode, 64 sequences", 64), ("prefill, 4,096 tokens", 4096))'),
+          "the sizes the next cell counts"),
+    Given("03_paged_attention", "8a65b1ec", "With one sequence and 8 KV heads, one program per (sequence, KV head) "
+          "would occupy 8 of the H200's 132 multiprocessors",
+          "8: one sequence times 8 KV heads (Llama-3-8B's), one program each; 132: the H200's streaming "
+          "multiprocessors (NVIDIA's H200 data sheet; the cell below uses it)"),
+    Holds("03_paged_attention", "recorded-run-lead", "At decode sizes (1 to 64 tokens)",
+          lambda: sorted({r["shape"]["T"] for r in run("paged-attention-h200").select(op=Op.ROPE_STORE_KV)})[:-1]
+          == [1, 8, 32, 64], "the recorded rope_store_kv sizes below the 4,096-token prefill"),
+    Holds("03_paged_attention", "50084557", "(B = 32, context 4096, 32 query heads, 8 KV heads, D = 128, bfloat16)",
+          lambda: any(r["shape"] == {"B": 32, "context": 4096, "H": 32, "Hkv": 8, "D": 128, "block_size": 16}
+                      and r["dtype"] == "bfloat16" for r in run("paged-attention-h200").select(
+                          op=Op.PAGED_ATTENTION, impl=Impl.GATHER_THEN_SDPA)), "the recorded case the checker reads"),
+    # lesson 04
+    Given("04_torch_compile", "ed05ad69", "One kernel named after both ops", "the one name the cell above prints"),
+    Holds("04_torch_compile", "2625863f", "(hidden 4096, intermediate 14336, bf16)",
+          lambda: all(r["shape"]["H"] == 4096 and r["shape"]["I"] == 14336 and r["dtype"] == "bfloat16"
+                      for r in run("cuda-graphs-h200").select(op=Op.GATED_MLP)), "the recorded GatedMLP's shape"),
+    Given("04_torch_compile", "3a17e12f", "stay two GEMMs reading x twice", "the two projections, one GEMM each"),
+    Holds("04_torch_compile", "recorded-run-lead", "the whole GatedMLP, where the GEMMs dominate",
+          lambda: mlp(Impl.SHARE_EAGER_SILU_MUL, 8192) / mlp(Impl.EAGER, 8192) < 0.2,
+          "dominate: the GEMMs take more than 80% of eager's time at T=8192 (the elementwise share is the rest)"),
     Measured("04_torch_compile", "2625863f", "three GEMMs that read 352 MB of weights", "352 MB",
              lambda: 3 * 4096 * 14336 * 2 / 1e6),
     Measured("04_torch_compile", "c7cbcca1", "Eager `silu(gate) * up` runs two kernels", "two kernels",
@@ -508,7 +593,14 @@ def near_ties() -> list[float]:
     """Gap over float16 spacing at every step where lesson 06's engines part (its stored output)."""
     text = output("06_vllm", "40a6fb2d")
     return [float(gap) / float(spacing) for gap, spacing in
-            re.findall(r"logits are ([\d.]+) apart, .*? are ([\d.]+) apart", text)]
+            re.findall(r"logits are ([\d.]+) apart, .*? are ([\d.]+) apart", text, re.S)]
+
+
+def launch_modes_within(band: float, tokens) -> bool:
+    """Every launch mode of the recorded GatedMLP (lesson 05, cuda-graphs-h200) within ``band`` of eager's time."""
+    records = run("cuda-graphs-h200").select(op=Op.GATED_MLP)
+    eager = {r["shape"]["T"]: r["us"] for r in records if r["impl"] == Impl.EAGER}
+    return all(abs(r["us"] / eager[r["shape"]["T"]] - 1) <= band for r in records if r["shape"]["T"] in tokens)
 
 
 def live_ladder_seconds() -> dict[str, float]:
@@ -635,8 +727,23 @@ LESSONS_05_06_07 = (
           "eager silu·mul's call at one token, per launch, 3-20 µs"),
     Holds("05_cuda_graphs", "cd7fa19d", "Each launch costs the CPU a few microseconds",
           lambda: per_launch_us() <= 10, "eager silu·mul's call at one token, per launch, under 10 µs"),
-    Given("05_cuda_graphs", "d18f6aef", "launch overhead \"cut by up to 70%\"", QUOTED),
-    Given("05_cuda_graphs", "d18f6aef", "\"deliver another 10–15% latency reduction\"", QUOTED),
+    Given("05_cuda_graphs", "cd7fa19d", "At batch 1 the GPU work", "a batch size: one sequence"),
+    Given("05_cuda_graphs", "d18f6aef", "into one launch cuts the time", "the news item's claim, as lesson 02 reads it"),
+    Holds("05_cuda_graphs", "6ed56d69", "At batch 1 the layer's GPU work is reading its weights once (hidden 4096, "
+          "intermediate 14336", lambda: all(r["shape"]["H"] == 4096 for r in run("cuda-graphs-h200").select(
+              op=Op.DECODE_STEP)) and layer_weight_bytes() == layer_weight_bytes(4096, i=14336),
+          "the recorded decode step's layer (Llama-3-8B's: hidden 4096, intermediate 14336)"),
+    Given("05_cuda_graphs", "6ed56d69", "fusing attention's kernels into one launch", "the news item's claim"),
+    Given("05_cuda_graphs", "6ed56d69", "its three GEMMs each read", "the GatedMLP's three projections"),
+    Given("05_cuda_graphs", "bb4e1820", "At batch 1 the fused step's GPU work", "a batch size: one sequence"),
+    Given("05_cuda_graphs", "bb4e1820", "the host's cost of one launch (lesson 01's recorded per-call cost of "
+          "`lessonlib.ops.swiglu` at T = 1)", "the exercise's model: one launch's cost, at one token"),
+    Holds("05_cuda_graphs", "bb4e1820", "(batch 1, context 1024)",
+          lambda: step(Impl.FUSED_STEP_GRAPH, 1, 1024) > 0, "a recorded point of the decode step"),
+    Holds("05_cuda_graphs", "c1a1ab00", "published by Tefisc Fact Engine on November 12, 2026",
+          lambda: published("November 12, 2026"), "the news item's date as the quotation registry cites it"),
+    quoted("05_cuda_graphs", "d18f6aef", "cutting kernel launch overhead by up to 70%"),
+    quoted("05_cuda_graphs", "d18f6aef", "delivering another 10–15% latency reduction"),
     Measured("05_cuda_graphs", "6ed56d69", "about 0.4 GB in bf16", "0.4", lambda: layer_weight_bytes() / 1e9,
              within=0.05, why="about: one significant digit"),
     Holds("05_cuda_graphs", "6ed56d69", "about a hundred microseconds at the H200's bandwidth",
@@ -650,18 +757,39 @@ LESSONS_05_06_07 = (
     Holds("05_cuda_graphs", "6ed56d69", "the plain PyTorch step loses the most to launching, because it launches "
           "more kernels", lambda: all(step(Impl.EAGER_STEP, b, c, "launches") > step(Impl.FUSED_STEP, b, c, "launches")
                                       for b, c in STEP_POINTS), "launches per step at every point"),
-    Holds("05_cuda_graphs", "6ed56d69", "\"Another 10–15%\" is not what a graph gives at small batch (far more) nor "
-          "at B=64 with long contexts, where the GPU work (reading 64 × 8192 tokens of K and V) dwarfs the launches "
-          "and the graph gains nothing.",
+    quoted("05_cuda_graphs", "6ed56d69", "another 10–15%"),
+    Given("05_cuda_graphs", "6ed56d69", "reading 64 × 8192 tokens of K and V", "the recorded point's batch and context"),
+    Holds("05_cuda_graphs", "6ed56d69", "is not what a graph gives at small batch (far more) nor at B=64 with long "
+          "contexts, where the GPU work (reading 64 × 8192 tokens of K and V) dwarfs the launches and the graph gains "
+          "nothing.",
           lambda: all(graph_cut(b, c) > 0.15 for b, c in STEP_POINTS if b <= 8) and abs(graph_cut(64, 8192)) < A_FEW,
           "the graph's cut above 15% at B<=8, within 5% of nothing at B=64, context 8192"),
     Holds("05_cuda_graphs", "6ed56d69", "so at B=1 fusion saves less of the plain step than at larger batches",
           lambda: all(fusion_cut(1, c) < min(fusion_cut(8, c), fusion_cut(64, c)) for c in (1024, 8192)),
           "fusion's cut at B=1 below B=8's and B=64's, both contexts"),
+    Holds("05_cuda_graphs", "6ed56d69", "At T = 1 and T = 8 the four ways of launching it cost the same, each within "
+          "5% of eager's time", lambda: launch_modes_within(0.05, (1, 8)),
+          "cost the same: every launch mode's recorded time within 5% of eager's, at T = 1 and T = 8"),
+    Holds("06_vllm", "eacabcb7", "only accepts block sizes that are multiples of 32",
+          lambda: "MultipleOf(32)" in output("06_vllm", "36c6a63c"), "vLLM's own error, stored below"),
+    Holds("06_vllm", "eacabcb7", "(on a GPU, 16 is fine", lambda: __import__("lessonlib.serving", fromlist=["x"])
+          .GPU_BLOCK_SIZE == 16, "the block size the lesson runs vLLM with on a GPU (serving.GPU_BLOCK_SIZE)"),
+    Holds("06_vllm", "a93de2ff", "We use block_size 16 here",
+          lambda: in_code("06_vllm", "936d076e", "block_size = 16"), "the next cell's block size"),
+    Holds("06_vllm", "a93de2ff", "Two requests share a 40-token prefix",
+          lambda: in_code("06_vllm", "936d076e", "system_prompt = list(range(100, 140))")
+          and in_code("06_vllm", "936d076e", 'requests = {"req-A": system_prompt + [7, 8, 9], "req-B": system_prompt'),
+          "the next cell's two requests and their 40-token system prompt"),
+    Holds("06_vllm", "e766bc84", "(reference count 2) and give each request its own third block: the 8 prefix tokens",
+          lambda: "ref counts {1: 2, 2: 2, 3: 1, 4: 1}" in output("06_vllm", "936d076e") and 40 - 2 * 16 == 8,
+          "the stored reference counts; 8 = the 40-token prefix less two full blocks of 16"),
+    Given("06_vllm", "c72fa95a", "runs one Triton kernel, `unified_attention`", "vLLM's TRITON_ATTN backend's one kernel"),
     Measured("06_vllm", "7bf7aa95", "In float16 a logit carries about 3 significant digits", "3",
              lambda: 11 * math.log10(2), within=0.5, why="float16's 11-bit significand (IEEE 754 binary16)"),
-    Holds("06_vllm", "7bf7aa95", "a gap of a few such steps", lambda: all(r <= 4 for r in near_ties()),
-          "every parting's gap within four float16 spacings (the stored output)"),
+    Holds("06_vllm", "7bf7aa95", "On this lesson's CPU run the engines part where the gap is less than one spacing",
+          lambda: bool(near_ties()) and all(r < 1 for r in near_ties()),
+          "less than one: at least one parting in the stored output, and at every parting the gap over the float16 "
+          "spacing below 1"),
     # lesson 07: the engine, the ladder, the batch-1 limit, latency
     Measured("07_serving_engine", "57690133", "must read every weight once: 2.47 GB", "2.47 GB",
              lambda: run("engine-h200").one(op="decode_step_limit", batch=1)["weight_bytes"] / 1e9),

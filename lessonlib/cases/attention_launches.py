@@ -1,4 +1,4 @@
-"""Lesson 02's launch-bound attention: the news item's "cut by up to 70%", measured on the mechanism it names.
+"""Lesson 02's launch-bound attention: the news item's "by up to 70%", measured on the mechanism it names.
 
 The claim: merging attention's softmax and matrix-product kernels into one cuts the launch overhead. At tiny
 sequence lengths (B=1, H=8, T=16..1024, D=64, causal) the GPU work of attention is a few microseconds, so what an

@@ -20,9 +20,9 @@ def committed_run(benchmark: str) -> Results | None:
 
 def not_recorded(benchmark: str, what: str) -> Verdict:
     """The verdict of a claim whose records the committed file lacks (or the file itself)."""
-    script, name = f"benchmarks/bench_{benchmark}.py", recorded_name(benchmark)
+    module, name = f"benchmarks.bench_{benchmark}", recorded_name(benchmark)
     return Verdict(f"{name}.json holds no {what}",
-                   f"not yet measured on a GPU (python {script} --out lessonlib/results/{name}.json records it)")
+                   f"not yet measured on a GPU (python -m {module} --out lessonlib/results/{name}.json records it)")
 
 
 def pct(x: float) -> str:

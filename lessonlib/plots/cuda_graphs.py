@@ -6,14 +6,14 @@ import numpy as np
 
 from lessonlib.results import Impl, Op, Results
 from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish, plain_log_ticks
+from lessonlib.plots.recorded import RUN_COLORS
 
 
 def decode_step_times(results: Results, ax=None):
     """One decoder layer's decode step: eager PyTorch, lessonlib's fused kernels, and the fused step replayed from
     a CUDA graph, at each batch size and context; the kernels per step written on each bar."""
     fig, ax = figure(ax, (WIDTH, 4.6))
-    impls = {Impl.EAGER_STEP: IMPL_COLORS[Impl.EAGER], Impl.FUSED_STEP: IMPL_COLORS[Impl.LESSONLIB],
-             Impl.FUSED_STEP_GRAPH: "#6a3d9a"}
+    impls = {i: RUN_COLORS[i] for i in (Impl.EAGER_STEP, Impl.FUSED_STEP, Impl.FUSED_STEP_GRAPH)}
     shapes = []
     for rec in results.select(op=Op.DECODE_STEP):
         key = (rec["shape"]["B"], rec["shape"]["context"])
@@ -46,7 +46,8 @@ def launch_modes(results: Results, ax=None):
     fig, ax = figure(ax, (8, 4.0))
     tokens = sorted({r["shape"]["T"] for r in results.select(op=Op.GATED_MLP)})
     impls = {Impl.EAGER: IMPL_COLORS[Impl.EAGER], Impl.COMPILE: IMPL_COLORS[Impl.COMPILE],
-             Impl.COMPILE_REDUCE_OVERHEAD: "#17becf", Impl.CUDA_GRAPH_BY_HAND: "#6a3d9a"}
+             Impl.COMPILE_REDUCE_OVERHEAD: RUN_COLORS[Impl.COMPILE_REDUCE_OVERHEAD],
+             Impl.CUDA_GRAPH_BY_HAND: RUN_COLORS[Impl.CUDA_GRAPH_BY_HAND]}
     width = 0.8 / len(impls)
     for i, (impl, colour) in enumerate(impls.items()):
         xs = np.arange(len(tokens)) + (i - 1.5) * width

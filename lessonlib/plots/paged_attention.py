@@ -7,6 +7,7 @@ import numpy as np
 
 from lessonlib.results import Impl, Op, Results
 from lessonlib.plots._figure import IMPL_COLORS, WIDTH, figure, finish
+from lessonlib.plots.recorded import RUN_COLORS
 
 
 def block_tables(panels: dict[str, dict[str, list[int]]], ref_counts: dict[str, dict[int, int]] | None = None):
@@ -63,7 +64,7 @@ def paged_attention_speed(results: Results, ax=None):
     FlexAttention's paged attention. GPU time (each call replayed from a CUDA graph) where the run recorded it."""
     fig, ax = figure(ax, (WIDTH, 4.2))
     impls = [Impl.LESSONLIB, Impl.SDPA_CONTIGUOUS, Impl.GATHER_THEN_SDPA, Impl.FLEX_PAGED]
-    colours = [IMPL_COLORS[Impl.LESSONLIB], IMPL_COLORS[Impl.COMPILE], "#9ecae1", "#ff7f0e"]
+    colours = [IMPL_COLORS.get(i) or RUN_COLORS[i] for i in impls]  # the colours of lesson 03's recorded view
     shapes = []
     for rec in results.select(op=Op.PAGED_ATTENTION, impl=Impl.LESSONLIB):
         key = (rec["shape"]["B"], rec["shape"]["context"])

@@ -13,13 +13,22 @@ import numpy as np
 
 from lessonlib.plots._figure import IMPL_COLORS, WIDTH, finish
 from lessonlib.plots.fusion import gpu_name
-from lessonlib.results import Unit
+from lessonlib.results import Impl, Unit
 
 SPEEDUP = "speedup"  # not a record field: the baseline's time over the implementation's
 FIELD_LABELS = {Unit.TFLOPS: "TFLOP/s", Unit.GBPS: "GB/s from Python",
                 Unit.GRAPH_GBPS: "GB/s in a CUDA graph", Unit.US: "µs per call",
                 SPEEDUP: "speedup over eager", "launches": "kernel launches per step"}
 _OTHER_COLORS = ("#17becf", "#bcbd22", "#ff7f0e", "#e377c2")
+# Lessons 03 and 05's implementations that IMPL_COLORS leaves out, one colour each in every figure of their lesson
+# (the lesson's own plots take theirs from here too): in lesson 03 orange is FlexAttention's alone.
+RUN_COLORS = {
+    Impl.TABLES_VALIDATED: "#bcbd22", Impl.SLOTS_VALIDATED: "#dbdb8d",  # lessonlib with host-side checks: olive
+    Impl.SDPA_CONTIGUOUS: IMPL_COLORS[Impl.COMPILE], Impl.GATHER_THEN_SDPA: "#9ecae1", Impl.FLEX_PAGED: "#ff7f0e",
+    Impl.APPLY_ROPE_THEN_STORE_KV: "#e377c2", Impl.COPIES_APPLY_ROPE_STORE_KV: "#f7b6d2",
+    Impl.EAGER_STEP: IMPL_COLORS[Impl.EAGER], Impl.FUSED_STEP: IMPL_COLORS[Impl.LESSONLIB],
+    Impl.FUSED_STEP_GRAPH: "#6a3d9a", Impl.CUDA_GRAPH_BY_HAND: "#6a3d9a", Impl.COMPILE_REDUCE_OVERHEAD: "#17becf",
+}
 MISSING_COLOR = "#b2182b"
 FONT = 10  # points: 14 pixels at the 100 dpi a notebook shows the figure at (_figure.py)
 
@@ -31,7 +40,8 @@ def recorded_vs_live(recorded: dict, live: dict | None, fields, title: str, reco
     import matplotlib.pyplot as plt
 
     impls = list(recorded) + [i for i in (live or {}) if i not in recorded]
-    colors = {i: IMPL_COLORS.get(i, _OTHER_COLORS[n % len(_OTHER_COLORS)]) for n, i in enumerate(impls)}
+    colors = {i: IMPL_COLORS.get(i) or RUN_COLORS.get(i) or _OTHER_COLORS[n % len(_OTHER_COLORS)]
+              for n, i in enumerate(impls)}
     sources = [("recorded", f"recorded, {recorded_gpu}", recorded, None)]
     if live is not None:
         sources.append(("live", f"measured now, {gpu_name()}", live, "//"))

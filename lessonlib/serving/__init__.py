@@ -34,13 +34,14 @@ from lessonlib.serving.block_tracing import BlockTrace, generate_tracing_blocks
 from lessonlib.serving.greedy_parity import (Divergence, check_engine_greedy, check_greedy_parity, first_difference,
                                              full_forward_greedy, greedy_divergence, hf_greedy, vllm_greedy)
 from lessonlib.serving.in_process import attention_backends, engine, scheduler, shutdown, start_engine
-from lessonlib.serving.settings import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, SEED_MODEL, SEED_PROMPTS, can_download,
-                                        choose_model, engine_settings, prepare_vllm, require_vllm, vllm_build)
+from lessonlib.serving.settings import (CPU_BLOCK_SIZE, GPU_BLOCK_SIZE, SEED_MODEL, SEED_PROMPTS, TUTORIAL_MODEL,
+                                        TUTORIAL_PROMPTS, can_download, choose_model, engine_settings, prepare_vllm,
+                                        require_vllm, vllm_build)
 from lessonlib.serving.unified_attention import vllm_paged_attention
 
 __all__ = ["BlockTrace", "CPU_BLOCK_SIZE", "Divergence", "GPU_BLOCK_SIZE", "SEED_MODEL", "SEED_PROMPTS",
-           "VllmBlockManager", "attention_backends", "can_download", "check_engine_greedy", "check_greedy_parity",
-           "choose_model", "engine", "full_forward_greedy",
+           "TUTORIAL_MODEL", "TUTORIAL_PROMPTS", "VllmBlockManager", "attention_backends", "can_download",
+           "check_engine_greedy", "check_greedy_parity", "choose_model", "engine", "full_forward_greedy",
            "engine_settings", "first_difference", "generate_tracing_blocks", "greedy_divergence", "hf_greedy",
            "prepare_vllm", "require_vllm", "scheduler", "shutdown", "start_engine", "vllm_build",
            "vllm_greedy", "vllm_paged_attention"]

@@ -11,12 +11,14 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import socket
+import warnings
 
 from lessonlib import runtime, tiny_model
 from lessonlib.install import VLLM_VERSION
 
-SEED_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"
-SEED_PROMPTS = ["Hello, my name is", "The future of AI is"]
+TUTORIAL_MODEL = "Qwen/Qwen2.5-1.5B-Instruct"  # the tutorial's vLLM example: its model and its two prompts
+TUTORIAL_PROMPTS = ["Hello, my name is", "The future of AI is"]
+SEED_MODEL, SEED_PROMPTS = TUTORIAL_MODEL, TUTORIAL_PROMPTS  # their former names, kept for callers
 CPU_BLOCK_SIZE = 32  # CPU_ATTN: block_size must be a multiple of 32
 GPU_BLOCK_SIZE = 16
 
@@ -27,11 +29,13 @@ def prepare_vllm() -> None:
     * Triton's mode: vllm imports triton, so lessonlib's mode must be chosen first (see :mod:`lessonlib.runtime`).
     * vLLM's log level: it logs its start-up at length (INFO and WARNING: CPU tuning hints, dtype casts); the lesson
       prints what matters itself. Set ``VLLM_LOGGING_LEVEL=INFO`` to see everything.
-    * vLLM's, Inductor's and Triton's caches: into the course's scratch folder (:func:`runtime.point_caches`).
+    * vLLM's, Inductor's and Triton's caches: into the course's cache folder (:func:`runtime.point_caches`).
+    * vLLM's own FutureWarnings (its code calling PyTorch names PyTorch has deprecated): nothing a student can act on.
     """
     runtime.mode()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     runtime.point_caches()
+    warnings.filterwarnings("ignore", category=FutureWarning, module="vllm")
 
 
 def vllm_build() -> str | None:
@@ -72,7 +76,7 @@ def can_download(host: str = "huggingface.co", timeout: float = 3.0) -> bool:
 def choose_model() -> str:
     """The seed's model on a GPU that can download it; otherwise the tiny local model (built on first use)."""
     if runtime.on_gpu() and can_download():
-        return SEED_MODEL
+        return TUTORIAL_MODEL
     return str(tiny_model.build())
 
 
