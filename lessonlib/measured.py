@@ -1,6 +1,7 @@
 """The recorded GPU run beside the student's own: lesson 01's fused ops (swiglu, add_rms_norm, apply_rope), at a
 shape the recorded run holds, timed here for eager PyTorch, torch.compile and lessonlib. As in the benchmarks,
-lessonlib's output is checked against float64 before anything is timed."""
+lessonlib's output is checked against float64 before anything is timed. Also lesson 01's table of int8 weights
+(``dequant_matmul``) against F.linear on the 16-bit weight, from the recorded run."""
 
 from __future__ import annotations
 
