@@ -1,6 +1,7 @@
 """The recorded GPU run beside the student's own: lesson 01's fused ops (swiglu, add_rms_norm, apply_rope), at a
 shape the recorded run holds, timed here for eager PyTorch, torch.compile and lessonlib. As in the benchmarks,
-lessonlib's output is checked against float64 before anything is timed."""
+lessonlib's output is checked against float64 before anything is timed. Also lesson 01's table of int8 weights
+(``dequant_matmul``) against F.linear on the 16-bit weight, from the recorded run."""
 
 from __future__ import annotations
 
@@ -96,3 +97,46 @@ def live_gbps(op: str, shape: dict) -> dict[str, float]:
     fns, args, check, nbytes = calls(op, shape)
     check()
     return compare_bandwidth(fns, *args, nbytes=nbytes)
+
+
+# --- int8 weights (lesson 01's dequant_matmul) against the 16-bit GEMM a model would otherwise run ---------------
+
+INT8_IMPLS = (Impl.LINEAR_16BIT, Impl.EAGER, Impl.LESSONLIB)
+
+
+def int8_weight_rows(extras: Results) -> list[dict]:
+    """One row per M of the recorded dequant_matmul layer: the three times, the bytes each way must move (the 16-bit
+    GEMM reads the 16-bit weight; the int8 kernel, the int8 weight and the scales: ``traffic.dequant_matmul``), the
+    16-bit GEMM's FLOPs per byte (its arithmetic intensity) and the run's ridge point (matmul rate over copy rate)."""
+    ridge = extras.ceilings["matmul_tflops"] * 1e12 / (extras.ceilings["bandwidth_gbs"] * 1e9)
+    rows = []
+    for record in extras.select(op=Op.DEQUANT_MATMUL, impl=Impl.LESSONLIB):
+        m, n, k = (record["shape"][d] for d in "MNK")
+        us = {impl: extras.one(op=Op.DEQUANT_MATMUL, impl=impl, M=m, N=n, K=k)["us"] for impl in INT8_IMPLS}
+        bytes_16bit = 2 * (m * k + n * k + m * n)
+        rows.append(dict(M=m, N=n, K=k, us=us, bytes_16bit=bytes_16bit,
+                         bytes_int8=traffic.dequant_matmul(m, n, k).fused.bytes, flops=2 * m * n * k,
+                         intensity=2 * m * n * k / bytes_16bit, ridge=ridge))
+    return sorted(rows, key=lambda row: row["M"])
+
+
+def print_int8_weights(extras: Results) -> None:
+    """The table lesson 01 reads: where int8 weights win against F.linear on the 16-bit weight, and where they lose.
+    A rate is GB/s of the bytes that way must move where the 16-bit GEMM lies below the ridge point, TFLOP/s above.
+    The last columns: F.linear's time over the int8 kernel's, and eager's (both above 1 where the kernel is faster)."""
+    rows = int8_weight_rows(extras)
+    print(f"x (M, {rows[0]['K']}) @ W.T with W ({rows[0]['N']}, {rows[0]['K']}); "
+          f"this run's ridge point: {rows[0]['ridge']:.0f} FLOP/byte")
+    print(f"{'M':>5} {'FLOP/B':>6}  {'F.linear, 16-bit W':>22}  {'eager int8':>9}  {'lessonlib int8':>22}  "
+          f"{'F.linear/':>9} {'eager/':>6}")
+    print(f"{'':>5} {'':>6}  {'':>22}  {'':>9}  {'':>22}  {'int8':>9} {'int8':>6}")
+    for row in rows:
+        bound = row["intensity"] > row["ridge"]
+
+        def rate(us, nbytes):
+            return f"{row['flops'] / us / 1e6:4.0f} TFLOP/s" if bound else f"{nbytes / us / 1e3:4.0f} GB/s   "
+
+        linear, eager, int8 = (row["us"][impl] for impl in INT8_IMPLS)
+        print(f"{row['M']:5d} {row['intensity']:6.0f}  {linear:6.1f} µs {rate(linear, row['bytes_16bit'])}  "
+              f"{eager:6.1f} µs  {int8:6.1f} µs {rate(int8, row['bytes_int8'])}  {linear / int8:8.2f}x "
+              f"{eager / int8:5.2f}x")

@@ -93,6 +93,18 @@ def rope_layout(layout: str, impl: str) -> float:
     return next(r["us"] for r in rows if r["layout"] == layout and r["impl"] == impl)
 
 
+def int8_row(m: int) -> dict:
+    """The recorded dequant_matmul layer at M=m, as lesson 01's table prints it (``measured.int8_weight_rows``)."""
+    from lessonlib import measured
+
+    return next(r for r in measured.int8_weight_rows(run("fusion-extras-h200")) if r["M"] == m)
+
+
+def int8_speedup(m: int, peer: str) -> float:
+    """The peer's time over the int8 kernel's at M=m: above 1 where the int8 kernel is faster."""
+    return int8_row(m)["us"][peer] / int8_row(m)["us"][Impl.LESSONLIB]
+
+
 LESSON_01 = (
     Measured("01_operator_fusion", "f1af300b", "Three GEMMs and two elementwise kernels", "two elementwise kernels",
              lambda: counted(reference.swiglu, (7, 33), (7, 33))),
@@ -165,13 +177,45 @@ LESSON_01 = (
              lambda: 100 * max(1 - mlp(Impl.FUSED_GATED_MLP, t) / mlp(Impl.EAGER, t) for t in (1, *MLP_TOKENS))),
     Holds("01_operator_fusion", "20eb0c54", "at T=8192 no faster at all",
           lambda: mlp(Impl.FUSED_GATED_MLP, 8192) >= mlp(Impl.EAGER, 8192), "the fused MLP's time at T=8192"),
-    Given("01_operator_fusion", "20eb0c54", "whether that one GEMM is slower than the two it replaces",
-          "a question the run does not answer, asked as one"),
+    Given("01_operator_fusion", "20eb0c54", "whether the stacked GEMM is slower than the two it replaces is not measured",
+          "a question no recorded run answers, stated as not known"),
+    Given("01_operator_fusion", "a46b9beb", "of the 255 a thread can have",
+          "NVIDIA's CUDA programming guide: at most 255 registers per thread"),
     Measured("01_operator_fusion", "a46b9beb", "at 32,768 columns 127", "127",
              lambda: register_row(32768, True)["registers_per_thread"]),
     Measured("01_operator_fusion", "a46b9beb", "runs at half the speed of a two-pass version", "half",
              lambda: register_row(65536, True)["gbps"] / register_row(65536, False)["gbps"], within=0.1,
              why="half: 0.4 to 0.6 of the two-pass GB/s"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "**M = 1, batch-1 decode**, far below the ridge point",
+          lambda: 5 * int8_row(1)["intensity"] <= int8_row(1)["ridge"], "far: 5x or more below the ridge point"),
+    Given("01_operator_fusion", "dequant-matmul-limits", "The int8 kernel reads half the weight bytes",
+          "one byte per int8 weight against two per 16-bit weight"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "is faster than `F.linear` on the 16-bit weight",
+          lambda: int8_speedup(1, Impl.LINEAR_16BIT) > 1, "F.linear's time over the int8 kernel's at M=1, above 1"),
+    Measured("01_operator_fusion", "dequant-matmul-limits", "though by less than the 2x the bytes promise", "2x",
+             lambda: int8_row(1)["bytes_16bit"] / int8_row(1)["bytes_int8"]),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "though by less than the 2x the bytes promise",
+          lambda: int8_speedup(1, Impl.LINEAR_16BIT) < int8_row(1)["bytes_16bit"] / int8_row(1)["bytes_int8"],
+          "the int8 kernel's gain at M=1 below the byte ratio"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "it moves its bytes at a lower rate than cuBLAS's GEMV",
+          lambda: int8_row(1)["bytes_int8"] / int8_row(1)["us"][Impl.LESSONLIB]
+          < int8_row(1)["bytes_16bit"] / int8_row(1)["us"][Impl.LINEAR_16BIT], "GB/s of the bytes each must move, M=1"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "**M = 2048, prefill**, far above it",
+          lambda: int8_row(2048)["intensity"] >= 5 * int8_row(2048)["ridge"], "far: 5x or more above the ridge point"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "cuBLAS's tensor-core GEMM runs at about the run's matmul ceiling",
+          lambda: abs(int8_row(2048)["flops"] / int8_row(2048)["us"][Impl.LINEAR_16BIT] / 1e6
+                      / run("fusion-extras-h200").ceilings["matmul_tflops"] - 1) <= A_FEW,
+          "about: F.linear's TFLOP/s at M=2048 within 5% of the run's matmul ceiling"),
+    Measured("01_operator_fusion", "dequant-matmul-limits", "reaches about half of it", "half of",
+             lambda: int8_row(2048)["flops"] / int8_row(2048)["us"][Impl.LESSONLIB] / 1e6
+             / run("fusion-extras-h200").ceilings["matmul_tflops"], within=0.1,
+             why="about half: 0.4 to 0.6 of the run's matmul ceiling"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "and is slower than `F.linear` and slightly slower than eager",
+          lambda: int8_speedup(2048, Impl.LINEAR_16BIT) < 1 and 0.9 <= int8_speedup(2048, Impl.EAGER) < 1,
+          "M=2048: slower than F.linear; slightly: eager's time over the int8 kernel's between 0.9 and 1"),
+    Holds("01_operator_fusion", "dequant-matmul-limits", "**M = 16** is still below the ridge point, yet this kernel "
+          "is slower than `F.linear` there", lambda: int8_row(16)["intensity"] < int8_row(16)["ridge"]
+          and int8_speedup(16, Impl.LINEAR_16BIT) < 1, "M=16: below the ridge point, and F.linear's time shorter"),
     Holds("01_operator_fusion", "5086c767", "the fused kernel's GPU time is a few microseconds",
           lambda: mlp(Impl.SHARE_SWIGLU, 1) < 10, "the swiglu kernel inside the MLP at T=1, under 10 µs"),
 )

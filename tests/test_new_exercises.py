@@ -7,7 +7,7 @@ address figure's data comes from the kernel itself."""
 import pytest
 import torch
 
-from lessonlib import exercises, runtime
+from lessonlib import exercises, runtime, traffic
 from lessonlib.exercises import ExerciseFailed
 from tests.test_kernel_exercises import define, gen, mutated, solution_source
 
@@ -133,8 +133,9 @@ def test_prediction_solution_passes_and_stub_fails(item, capsys):
 
 
 WRONG_PREDICTIONS = [  # item, (old, new) in the solution, what the message must name
-    ("swiglu_ratio", ("eager_bytes = (tensor + tensor) + (2 * tensor + tensor)", "eager_bytes = tensor + 2 * tensor"),
-     "forgetting that eager writes the intermediate"),
+    ("swiglu_ratio", ("extra = tensor + tensor", "extra = tensor"), "counting the intermediate once"),
+    ("swiglu_ratio", ("extra_us = extra / (copy_gbps * 1e3)", "extra_us = extra / copy_gbps"), "nanoseconds"),
+    ("swiglu_ratio", ("predicted = (fused_us + extra_us) / fused_us", "predicted = 5 / 3"), "the byte ratio alone"),
     ("swiglu_ratio", ("measured = eager_us / fused_us", "measured = fused_us / eager_us"), "upside down"),
     ("causal_speedup", ("predicted = query_tiles * key_tiles / causal_tiles", "predicted = 2.0"),
      "ignoring the diagonal tiles"),
@@ -159,6 +160,17 @@ def test_typed_numbers_fail_on_the_made_up_cases():
     typed = (predictions.GRAPH.predict(**recorded), predictions.GRAPH.measure(**recorded))
     with pytest.raises(ExerciseFailed, match="launches="):
         exercises.check_graph_saving(lambda **_: typed)
+
+
+def test_swiglu_prediction_is_not_the_printed_byte_ratio():
+    """The byte ratio 5/3 (printed by two earlier cells) is a named mistake, and the band's reason holds on the
+    recorded run: each chain within 5% of the copy rate, eager's bytes counted as the lesson counts them."""
+    with pytest.raises(ExerciseFailed, match="the byte ratio alone"):
+        exercises.check_swiglu_ratio(lambda eager_us, fused_us, **_: (5 / 3, eager_us / fused_us))
+    r = predictions.SWIGLU.recorded()
+    model = traffic.swiglu(r["tokens"], r["intermediate"], r["itemsize"])
+    for nbytes, us in ((model.eager.bytes, r["eager_us"]), (model.fused.bytes, r["fused_us"])):
+        assert abs(nbytes / (us * 1e3) / r["copy_gbps"] - 1) <= 0.05
 
 
 def test_a_recorded_run_outside_its_band_fails(monkeypatch):
