@@ -5,6 +5,12 @@ A stop string is matched on the text of the tokens generated so far (``skip_spec
 token; the request ends at the first step whose text contains one. As in vLLM the token ids keep every generated
 token (the last one completed the stop string) while the text is cut just before the stop string, or just after it
 with ``include_stop_str_in_output``.
+
+One builder for both paths: ``LLM.generate``'s finished requests and ``AsyncLLM``'s outputs so far. An unfinished
+sequence's text is what may be sent already (vLLM's detokenizer rule): a trailing partial UTF-8 character (``\ufffd``)
+is held back until it completes, and, when stop strings are set and not kept in the output, so are the last
+``len(longest stop) - 1`` characters, which could be the start of a stop string. So each output's text is a prefix of
+the next one's and of the finished text: a stream's concatenated deltas equal ``LLM.generate``'s text.
 """
 
 from __future__ import annotations
@@ -36,7 +42,23 @@ def stop_reason(tokenizer, params: SamplingParams, output_ids: list[int]) -> int
     return None
 
 
-def completion(tokenizer, seq: Sequence, index: int) -> CompletionOutput:
+def stop_holdback(params: SamplingParams) -> int:
+    """How many trailing characters of an unfinished text are held back: they may begin a stop string."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(stop) for stop in params.stop) - 1
+
+
+def completion(tokenizer, seq: Sequence, index: int, known: list[int] | None = None) -> CompletionOutput:
+    """Sample ``index``'s output: finished, its whole text (cut at a stop string) and logprobs with their tokens
+    decoded; unfinished, its ``known`` tokens (those that reached the host) and the text that may be sent."""
+    if seq.finish_reason is None:  # (a stream's output so far)
+        ids = list(seq.output_token_ids if known is None else known)
+        text = tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd") if tokenizer is not None else None
+        if text is not None:
+            text = text[:max(0, len(text) - stop_holdback(seq.params))]
+        logprobs = seq.logprobs[:len(ids)] if seq.logprobs is not None else None
+        return CompletionOutput(index, text, ids, None, logprobs=logprobs)
     text = output_text(tokenizer, seq)
     if isinstance(seq.stop_reason, str) and text is not None:
         start, stop = find_stop(text, (seq.stop_reason,))
@@ -45,13 +67,20 @@ def completion(tokenizer, seq: Sequence, index: int) -> CompletionOutput:
     if seq.logprobs is not None:
         decode = (lambda t: tokenizer.decode([t])) if tokenizer is not None else (lambda t: None)
         logprobs = [{t: replace(lp, decoded_token=decode(t)) for t, lp in entry.items()} for entry in seq.logprobs]
-    return CompletionOutput(index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs)
+    return CompletionOutput(index, text, list(seq.output_token_ids), seq.finish_reason, seq.stop_reason, logprobs,
+                            error=seq.error)
 
 
-def request_output(tokenizer, seqs: list[Sequence]) -> RequestOutput:
-    """One request's output from its ``n`` sequences (same prompt), in the order they were made."""
+def request_output(tokenizer, seqs: list[Sequence], request_id=None,
+                   known: list[list[int]] | None = None) -> RequestOutput:
+    """One request's output from its ``n`` sequences (same prompt), in the order they were made; ``known``: each
+    unfinished sample's tokens that reached the host (default: all it has)."""
     first = seqs[0]
-    return RequestOutput(first.seq_id, first.prompt, first.token_ids[:first.num_prompt_tokens],
-                         [completion(tokenizer, seq, i) for i, seq in enumerate(seqs)],
+    known = known or [None] * len(seqs)
+    queued = first.first_scheduled_at - first.queued_at if first.first_scheduled_at and first.queued_at else None
+    return RequestOutput(first.seq_id if request_id is None else request_id, first.prompt,
+                         first.token_ids[:first.num_prompt_tokens],
+                         [completion(tokenizer, seq, i, ids) for i, (seq, ids) in enumerate(zip(seqs, known))],
                          num_cached_tokens=first.num_prompt_cached_tokens,
-                         num_preemptions=sum(seq.num_preemptions for seq in seqs))
+                         num_preemptions=sum(seq.num_preemptions for seq in seqs),
+                         finished=all(seq.finish_reason is not None for seq in seqs), queue_s=queued)
