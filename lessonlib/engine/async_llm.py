@@ -182,9 +182,12 @@ class AsyncLLM:
     def num_waiting(self) -> int:
         return len(self._streams) - self.num_running
 
-    def abort_all(self) -> None:
-        """Abort every request (after the step running now, if any); each stream gets its last output, "abort"."""
-        for request_id in list(self._streams):
+    def abort_all(self, reason: str | None = None) -> None:
+        """Abort every request (after the step running now, if any); each stream gets its last output, "abort",
+        with ``reason`` as its error."""
+        for request_id, stream in list(self._streams.items()):
+            for seq in stream.seqs:
+                seq.error = seq.error or reason
             self._abort_now_or_after_step(request_id)
 
     async def shutdown(self) -> None:

@@ -199,7 +199,8 @@ class LLM:
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, each rendered
         with the tokenizer's chat template (or ``chat_template``) and generated from."""
-        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt)
+        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt,
+                               self.limits.max_prompt_chars)
         return self.generate(prompts, sampling_params)
 
     def step(self) -> list[Sequence]:

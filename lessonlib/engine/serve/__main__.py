@@ -60,8 +60,16 @@ def main(argv=None) -> None:
               features=args.features)
     engine = AsyncLLM(llm)
     app = build_app(engine, args.served_model_name or args.model)
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            # Every stream ends now with an error event and [DONE], instead of being cut after the grace period.
+            engine.abort_all("the server is shutting down")
+            await super().shutdown(sockets)
+
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
+                          timeout_graceful_shutdown=5)).run()
 
 
 if __name__ == "__main__":
