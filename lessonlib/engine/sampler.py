@@ -153,12 +153,12 @@ class Sampler:
         if check_all:
             tokens[~torch.isfinite(logits).all(dim=-1)] = ABORTED
         if processed:
-            logits = logits.clone()
+            raw, logits = logits, logits.clone()
 
-            def process(i):
-                logits[i] = process_logits(logits[i], params[i], *histories[i], stop_ids[i])
+            def process(i):  # (a processor may set -inf: the model's own logits are the ones checked for NaN/inf)
+                logits[i] = process_logits(raw[i], params[i], *histories[i], stop_ids[i])
                 if params[i].greedy:
-                    tokens[i] = greedy_tokens(logits[i:i + 1])[0]
+                    tokens[i] = torch.where(torch.isfinite(raw[i]).all(), logits[i].argmax(), ABORTED)
             self._alone(processed, seq_ids, tokens, process)
         sampled = [i for i in sampled if seq_ids[i] not in self.errors]
         if sampled:
