@@ -26,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from lessonlib import tiny_model  # noqa: E402
 from lessonlib.engine.sequence import SamplingParams  # noqa: E402
+from tests.test_engine_faults import stop_between  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "tiny"
@@ -167,9 +168,7 @@ def test_completions_default_to_16_tokens_and_echo_the_prompt(client):
 def test_stop_strings_spanning_tokens_give_generates_text_streamed_and_whole(client, offline, span):
     prompt = random_prompt()
     [free] = offline.generate(prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
-    ids, k = free.outputs[0].token_ids, random.randrange(2, 8)
-    pieces = [offline.tokenizer.decode([t]) for t in ids[k:k + span]]
-    stop = pieces[0][-1:] + "".join(pieces[1:-1]) + pieces[-1][:1]
+    stop = stop_between(offline.tokenizer, free.outputs[0].token_ids, span)
     for include in (False, True):
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, stop=[stop],
                                 include_stop_str_in_output=include)
