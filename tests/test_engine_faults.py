@@ -14,7 +14,7 @@ from lessonlib.engine import LLM, SamplingParams
 from lessonlib.engine import sampler as sampler_module
 from lessonlib.engine.async_llm import AsyncLLM
 from lessonlib.engine.chat import chat_prompts
-from lessonlib.engine.requests import Limits, check_params, prompt_ids
+from lessonlib.engine.requests import RequestLimits, check_params, prompt_ids
 from lessonlib.engine.sampler import process_logits
 from lessonlib.engine.features import PLAIN_PYTORCH
 from tests.engine_fixtures import path  # noqa: F401 (fixtures)
@@ -48,7 +48,7 @@ def test_seed_minus_one_is_no_seed_as_in_vllm():
 
 def test_the_vocabulary_bounds_are_checked_before_anything_is_queued():
     vocab = random.randrange(5, 20)
-    limits = Limits(vocab, 64, 10_000)
+    limits = RequestLimits(vocab, 64, 10_000)
     with pytest.raises(ValueError, match="logprobs"):
         check_params(SamplingParams(logprobs=vocab + 1), vocab)
     with pytest.raises(ValueError, match="stop_token_ids"):

@@ -35,7 +35,7 @@ from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
 from lessonlib.engine.outputs import request_output, stop_reason
-from lessonlib.engine.requests import Limits, longest_token_chars, make_sequences
+from lessonlib.engine.requests import RequestLimits, longest_token_chars, make_sequences
 from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
 from lessonlib.engine.scheduler import Scheduler, token_budget
 from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
@@ -116,7 +116,7 @@ class LLM:
         self.features = features
 
         self.tokenizer = _load_tokenizer(path)
-        self.limits = Limits(config.vocab_size, self.max_model_len,
+        self.limits = RequestLimits(config.vocab_size, self.max_model_len,
                              self.max_model_len * longest_token_chars(self.tokenizer))
         self.model = Model(config, dtype, device, max_positions=self.max_model_len, features=features)
         self.model.load_weights(path)

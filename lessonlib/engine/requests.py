@@ -16,7 +16,7 @@ from lessonlib.engine.sequence import SamplingParams, Sequence
 
 
 @dataclass(frozen=True)
-class Limits:
+class RequestLimits:
     """What a request is checked against: the vocabulary, the longest sequence, the longest prompt text."""
 
     vocab_size: int
@@ -66,7 +66,7 @@ def token_ids(name: str, ids, vocab_size: int) -> list[int]:
     return out
 
 
-def prompt_ids(prompt, tokenizer, limits: Limits) -> tuple[list[int], str | None]:
+def prompt_ids(prompt, tokenizer, limits: RequestLimits) -> tuple[list[int], str | None]:
     """A prompt (text, a list of token ids, or {"prompt_token_ids": [...], "prompt": its text}) as its checked
     token ids and its text (None when given as ids alone)."""
     text = prompt.get("prompt") if isinstance(prompt, dict) else None  # LLM.chat's rendered text
@@ -107,7 +107,7 @@ def sample_params(params: SamplingParams, i: int) -> SamplingParams:
     return replace(params, n=1, seed=seed)
 
 
-def make_sequences(prompt, params: SamplingParams, limits: Limits, tokenizer) -> list[Sequence]:
+def make_sequences(prompt, params: SamplingParams, limits: RequestLimits, tokenizer) -> list[Sequence]:
     """A request's ``n`` sequences, checked (prompt once, parameters once); nothing is queued here."""
     check_params(params, limits.vocab_size)
     ids, text = prompt_ids(prompt, tokenizer, limits)
