@@ -7,7 +7,9 @@ at the end.
 
 In-process (a thread runs uvicorn), so the failure can be planted in the sampler; the tiny model with every course
 kernel off, so a step costs milliseconds. Bounded: a fixed number of requests, each client with a timeout, the
-whole run under RUN_S.
+whole run under RUN_S. Two more faults: one prompt whose tokenization takes SLOW_S (planted: the event loop must
+not wait for it), and the server shut down while a stream runs (it must end with an error event and [DONE], not be
+cut).
 """
 
 import asyncio
@@ -31,6 +33,7 @@ from lessonlib.engine.async_llm import AsyncLLM  # noqa: E402
 from lessonlib.engine.chat import chat_prompts  # noqa: E402
 from lessonlib.engine.features import PLAIN_PYTORCH  # noqa: E402
 from lessonlib.engine.serve import build_app  # noqa: E402
+from lessonlib.engine.serve.__main__ import server as graceful_server  # noqa: E402
 
 MODEL = "tiny"
 CLIENTS = 32
@@ -38,6 +41,7 @@ DISCONNECTS = 3
 POISON_SEED = 424242  # the request whose sampling the test makes fail
 RUN_S = 120  # the whole load, at most (it takes a few seconds)
 HEALTH_S = 1.0
+SLOW_S = 1.5  # the planted tokenization's time: longer than /health may take
 WORDS = "attention key value block cache query tile softmax kernel decode prefill page".split()
 
 
@@ -151,6 +155,11 @@ async def poisoned(client) -> list[str]:
         return [line[len("data: "):] async for line in answer.aiter_lines() if line.startswith("data: ")]
 
 
+async def slow(client) -> None:
+    answer = await client.post("/v1/completions", json={"model": MODEL, "prompt": "SLOW attention", "max_tokens": 2})
+    assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] == 2
+
+
 async def health_watch(client, done: asyncio.Event) -> float:
     worst = 0.0
     while not done.is_set():
@@ -176,8 +185,8 @@ async def load(url: str, requests, vocab: int):
         watch = asyncio.create_task(health_watch(client, done))
         bad = bad_requests(vocab)
         tasks = [asyncio.create_task(stream(client, r)) for r in requests]
-        others = [asyncio.create_task(poisoned(client))] + [asyncio.create_task(disconnect(client))
-                                                             for _ in range(DISCONNECTS)]
+        others = [asyncio.create_task(poisoned(client)), asyncio.create_task(slow(client))] + [
+            asyncio.create_task(disconnect(client)) for _ in range(DISCONNECTS)]
         for case in bad:  # beside the streams, one after another
             await refused(client, *case)
         results = await asyncio.gather(*tasks)
@@ -192,6 +201,22 @@ async def load(url: str, requests, vocab: int):
         return results, poisoned_events, worst, after - before
 
 
+async def shut_down_mid_stream(url: str, server) -> tuple[list[str], float]:
+    """A long stream; once its first chunk is in, the server is told to stop. Its events, and how long the stream
+    took to end after that."""
+    body = {"model": MODEL, "prompt": "attention kernel", "max_tokens": 300, "temperature": 0.0, "ignore_eos": True,
+            "stream": True}
+    events, stopped = [], None
+    async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+        async with client.stream("POST", "/v1/completions", json=body) as answer:
+            async for line in answer.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(line[len("data: "):])
+                    if stopped is None:
+                        server.should_exit, stopped = True, time.monotonic()
+    return events, time.monotonic() - stopped
+
+
 def test_innocent_requests_survive_bad_ones_disconnects_and_a_failed_sampling(llm, monkeypatch):
     rng = random.Random()
     requests = innocent_requests(llm, rng)
@@ -203,10 +228,17 @@ def test_innocent_requests_survive_bad_ones_disconnects_and_a_failed_sampling(ll
         return real(logits, params)
 
     monkeypatch.setattr(sampler_module, "sampling_probs", failing_for_the_poisoned)
+    encode = llm.tokenizer.encode
+
+    def slow_for_the_slow_one(text, *args, **kwargs):
+        if "SLOW" in text:
+            time.sleep(SLOW_S)
+        return encode(text, *args, **kwargs)
+
+    monkeypatch.setattr(llm.tokenizer, "encode", slow_for_the_slow_one)
     engine = AsyncLLM(llm)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = graceful_server(engine, build_app(engine, MODEL), host="127.0.0.1", port=port, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -214,8 +246,11 @@ def test_innocent_requests_survive_bad_ones_disconnects_and_a_failed_sampling(ll
         while not server.started and time.monotonic() < deadline:
             time.sleep(0.05)
         assert server.started
+        url = f"http://127.0.0.1:{port}"
         results, poisoned_events, worst, counted = asyncio.run(
-            asyncio.wait_for(load(f"http://127.0.0.1:{port}", requests, llm.config.vocab_size), RUN_S))
+            asyncio.wait_for(load(url, requests, llm.config.vocab_size), RUN_S))
+        blocks_after_load = llm.num_blocks_in_use()
+        last_events, ending_s = asyncio.run(asyncio.wait_for(shut_down_mid_stream(url, server), RUN_S))
     finally:
         server.should_exit = True
         thread.join(timeout=30)
@@ -227,4 +262,7 @@ def test_innocent_requests_survive_bad_ones_disconnects_and_a_failed_sampling(ll
     assert "injected sampling failure" in error["message"] and set(error) == {"message", "type", "param", "code"}
     assert worst < HEALTH_S, f"/health took {worst:.2f} s"
     assert counted == 1 + DISCONNECTS  # the failed request and each disconnected one, once each
-    assert llm.num_blocks_in_use() == 0 and llm.scheduler.is_finished()
+    assert blocks_after_load == 0 and llm.num_blocks_in_use() == 0 and llm.scheduler.is_finished()
+    assert last_events[-1] == "[DONE]" and "shutting down" in json.loads(last_events[-2])["error"]["message"]
+    assert ending_s < 3, f"the stream took {ending_s:.1f} s to end after the shutdown began"
+    assert not thread.is_alive()

@@ -6,8 +6,9 @@
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
     outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # the tokenizer's chat template
 
-Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
-any error the engine is empty and ready for the next call.
+Every input is checked before the engine's state changes (``engine/requests.py``). A request whose own sampling or
+stop check fails ends alone, "abort" with its ``error``, the others go on; a step whose batched model fails frees
+everything it held, so after any error the engine is empty and ready for the next call.
 
 Asynchronous scheduling (``Features.async_scheduling``, vLLM's ``async_scheduling``): a greedy decode step is left
 running on the GPU while the host schedules and launches the next one, whose input tokens the GPU takes from the

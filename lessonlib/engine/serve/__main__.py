@@ -48,8 +48,6 @@ def features(chunked_prefill: bool | None, plain_pytorch: bool = False) -> Featu
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import uvicorn
-
     from lessonlib.engine import LLM
     from lessonlib.engine.async_llm import AsyncLLM
     from lessonlib.engine.serve.app import build_app
@@ -60,16 +58,21 @@ def main(argv=None) -> None:
               features=args.features)
     engine = AsyncLLM(llm)
     app = build_app(engine, args.served_model_name or args.model)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
+    server(engine, app, host=args.host, port=args.port, log_level=args.uvicorn_log_level).run()
+
+
+def server(engine, app, **config):
+    """A uvicorn server for ``app`` whose shutdown first aborts every request: each stream ends at once with an error
+    event and [DONE], instead of being cut when uvicorn's grace period (5 s) runs out."""
+    import uvicorn
 
     class Server(uvicorn.Server):
         async def shutdown(self, sockets=None):
-            # Every stream ends now with an error event and [DONE], instead of being cut after the grace period.
             engine.abort_all("the server is shutting down")
             await super().shutdown(sockets)
 
-    print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level,
-                          timeout_graceful_shutdown=5)).run()
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=5, **config))
 
 
 if __name__ == "__main__":
