@@ -169,6 +169,22 @@ def test_a_streams_text_never_holds_what_a_stop_string_cuts(llm, span, include):
     assert all(texts[-1].startswith(text) for text in texts), texts  # each output a prefix of the final text
 
 
+def test_a_stop_string_before_min_tokens_is_passed_over_as_vllm_does(llm):
+    prompt = "attention kernel softmax"
+    [free] = llm.generate(prompt, greedy(12))
+    ids = free.outputs[0].token_ids
+    stop = stop_between(llm.tokenizer, ids[:6], 2)  # spans two of the first six tokens, where it first occurs
+    [early] = llm.generate(prompt, greedy(12, stop=[stop]))
+    assert early.outputs[0].finish_reason == "stop" and len(early.outputs[0].token_ids) < 6
+    [late] = llm.generate(prompt, greedy(12, stop=[stop], min_tokens=6))
+    out = late.outputs[0]
+    assert len(out.token_ids) >= 6 and out.token_ids == ids[:len(out.token_ids)]
+    assert stop in out.text  # the early one stays in the text: the request ends at a later one, or by length
+    if out.finish_reason == "stop":
+        text = llm.tokenizer.decode(out.token_ids)
+        assert text.count(stop) >= 2 and out.text == text[:text.rindex(stop)]
+
+
 @pytest.fixture(scope="module")
 def bos_path(path, tmp_path_factory):
     """The tiny checkpoint with a tokenizer that adds BOS (as Llama 3's and Mistral's do) and a chat template that

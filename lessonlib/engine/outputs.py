@@ -25,19 +25,30 @@ def output_text(tokenizer, seq: Sequence) -> str | None:
     return tokenizer.decode(seq.output_token_ids, skip_special_tokens=True) if tokenizer is not None else None
 
 
-def find_stop(text: str, stops: tuple[str, ...]) -> tuple[int, str] | None:
-    """The earliest stop string in ``text`` and where it starts; None if there is none."""
-    found = [(text.find(s), s) for s in stops if s in text]
+def find_stop(text: str, stops: tuple[str, ...], new_from: int = 0) -> tuple[int, str] | None:
+    """The earliest stop string in ``text`` that ends past ``new_from`` (the text's length before its last token: a
+    stop string is looked for where the new characters are, as vLLM's detokenizer does, so one that stood in the
+    text before ``min_tokens`` were out never ends it later), and where it starts; None if there is none."""
+    found = [(text.find(s, max(0, new_from - len(s) + 1)), s) for s in stops]
+    found = [hit for hit in found if hit[0] >= 0]
     return min(found, key=lambda hit: (hit[0], -len(hit[1]))) if found else None
+
+
+def _stop_in(tokenizer, stops: tuple[str, ...], output_ids: list[int]) -> tuple[int, str] | None:
+    """The stop string the last of ``output_ids`` completed, and where it starts in their text."""
+    text = tokenizer.decode(output_ids, skip_special_tokens=True)
+    before = tokenizer.decode(output_ids[:-1], skip_special_tokens=True).rstrip("\ufffd")
+    return find_stop(text, stops, len(before))
 
 
 def stop_reason(tokenizer, params: SamplingParams, output_ids: list[int]) -> int | str | None:
     """What ends a sequence whose generated tokens are ``output_ids`` at the last of them, besides end-of-sequence
-    and length: one of its stop_token_ids (that id), or a stop string now in its text (that string); else None."""
+    and length: one of its stop_token_ids (that id), or a stop string its last token completed (that string); else
+    None."""
     if output_ids[-1] in params.stop_token_ids:
         return output_ids[-1]
     if params.stop and tokenizer is not None:
-        hit = find_stop(tokenizer.decode(output_ids, skip_special_tokens=True), params.stop)
+        hit = _stop_in(tokenizer, params.stop, output_ids)
         return hit[1] if hit else None
     return None
 
@@ -61,7 +72,7 @@ def completion(tokenizer, seq: Sequence, index: int, known: list[int] | None = N
         return CompletionOutput(index, text, ids, None, logprobs=logprobs)
     text = output_text(tokenizer, seq)
     if isinstance(seq.stop_reason, str) and text is not None:
-        start, stop = find_stop(text, (seq.stop_reason,))
+        start, stop = _stop_in(tokenizer, (seq.stop_reason,), seq.output_token_ids)
         text = text[:start + len(stop)] if seq.params.include_stop_str_in_output else text[:start]
     logprobs = None
     if seq.logprobs is not None:
