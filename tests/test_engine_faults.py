@@ -136,6 +136,22 @@ def test_a_request_whose_sampling_fails_ends_alone_and_the_batch_goes_on(llm, mo
     assert llm.num_blocks_in_use() == 0
 
 
+def test_a_request_whose_logprobs_fail_ends_alone(llm, monkeypatch):
+    real = sampler_module.top_logprobs
+    marker = random.randrange(3, 21)  # the failing request's logprobs count
+
+    def failing(logits, tokens, counts):
+        if marker in counts:
+            raise RuntimeError("planted logprobs failure")
+        return real(logits, tokens, counts)
+
+    monkeypatch.setattr(sampler_module, "top_logprobs", failing)
+    good, bad = llm.generate(["attention kernel", "softmax tile"], [greedy(3, logprobs=2), greedy(3, logprobs=marker)])
+    assert good.outputs[0].finish_reason == "length" and len(good.outputs[0].logprobs) == 3
+    assert bad.outputs[0].finish_reason == "abort" and "planted logprobs failure" in bad.outputs[0].error
+    assert llm.num_blocks_in_use() == 0
+
+
 def stop_between(tokenizer, ids, span):
     """A stop string from the last character of a token k to the first of token k + span - 1 (it spans ``span``
     tokens) whose first occurrence in the text is there: a stream would show its first character a step early."""

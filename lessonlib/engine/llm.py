@@ -37,7 +37,7 @@ from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
 from lessonlib.engine.outputs import request_output, stop_reason
 from lessonlib.engine.requests import RequestLimits, longest_token_chars, make_sequences
-from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
+from lessonlib.engine.sampler import ABORTED, Sampler
 from lessonlib.engine.scheduler import Scheduler, token_budget
 from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 
@@ -259,7 +259,7 @@ class LLM:
                               check_all=self.check_kernels,
                               histories=[(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs],
                               stop_ids=[(() if s.params.ignore_eos else eos) + s.params.stop_token_ids for s in seqs])
-        self._keep_logprobs(seqs, out.logits, tokens)
+        tokens = self.sampler.keep_logprobs(seqs, out.logits, tokens)
         if chunks is None:
             cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
             new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
@@ -272,16 +272,6 @@ class LLM:
                   "waiting": len(self.scheduler.waiting)}
         return Launched(seqs, is_prefill, self.runner.host_tokens.send(tokens), [len(s) - 1 for s in seqs],
                         new_tokens, cached, started, record)
-
-    def _keep_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The logprobs of the step's new tokens, for the sequences that ask (the host waits for their tokens)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return
-        chosen = tokens[rows].tolist()
-        entries = top_logprobs(logits[rows], [max(t, 0) for t in chosen], [seqs[i].params.logprobs for i in rows])
-        for i, token, entry in zip(rows, chosen, entries):
-            seqs[i].logprobs = (seqs[i].logprobs or []) + ([entry] if token != ABORTED else [])
 
     def _may_leave_running(self, launched: Launched) -> bool:
         """A step may run on while the next is scheduled when that step could take its tokens on the GPU: a decode

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import ops, runtime
-from lessonlib.engine.sequence import Logprob, SamplingParams
+from lessonlib.engine.sequence import Logprob, SamplingParams, Sequence
 
 ABORTED = -2  # the token of a row whose logits or probabilities were NaN or inf: its request ends alone, "abort"
 
@@ -165,6 +165,26 @@ class Sampler:
             self._sample(logits, tokens, sampled, seq_ids, params)
         return tokens
 
+    def keep_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The logprobs of the step's new tokens, for the sequences that ask (the host waits for their tokens); a
+        row whose logprobs fail gets ABORTED and its error kept, as a row whose sampling fails. Returns the step's
+        tokens (a copy if a row was ABORTED here: ``tokens`` may be a graph's output)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None and seq.seq_id not in self.errors]
+
+        def keep(group: list[int]) -> None:
+            chosen = tokens[group].tolist()
+            entries = top_logprobs(logits[group], [max(t, 0) for t in chosen],
+                                   [seqs[i].params.logprobs for i in group])
+            for i, token, entry in zip(group, chosen, entries):
+                seqs[i].logprobs = (seqs[i].logprobs or []) + ([entry] if token != ABORTED else [])
+        try:
+            if rows:
+                keep(rows)
+        except Exception:  # one row's failure: each alone
+            tokens = tokens.clone()
+            self._alone(rows, [seq.seq_id for seq in seqs], tokens, lambda i: keep([i]))
+        return tokens
+
     def _sample(self, logits, tokens, rows: list[int], seq_ids: list[int], params: list[SamplingParams]) -> None:
         """Draw the sampled rows' tokens into ``tokens``: the filters batched, or row by row if the batch raises."""
         probs = {}
@@ -192,4 +212,4 @@ class Sampler:
                 work(i)
             except Exception as error:
                 tokens[i] = ABORTED
-                self.errors[seq_ids[i]] = f"sampling failed: {type(error).__name__}: {error}"
+                self.errors[seq_ids[i]] = f"sampling failed: {type(error).__name__}: {error}"  # (or its logprobs)

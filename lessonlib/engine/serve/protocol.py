@@ -139,7 +139,8 @@ def sampling_params(request: _Request, prompt_tokens: int, max_model_len: int) -
     values["logit_bias"] = _logit_bias(request.logit_bias)
     room = max_model_len - prompt_tokens
     if isinstance(request, ChatCompletionRequest):
-        values["max_tokens"] = request.max_completion_tokens or request.max_tokens or room  # vLLM: what is left
+        asked = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        values["max_tokens"] = room if asked is None else asked  # vLLM's default: what the context leaves
         if request.top_logprobs is not None and not request.logprobs:
             raise ApiError("top_logprobs needs logprobs set to true", param="top_logprobs")
         values["logprobs"] = (request.top_logprobs or 0) if request.logprobs else None
