@@ -32,7 +32,7 @@ from starlette.exceptions import HTTPException
 
 from lessonlib.engine.async_llm import AsyncLLM
 from lessonlib.engine.chat import chat_prompts
-from lessonlib.engine.requests import prompt_ids
+from lessonlib.engine.requests import tokenize
 from lessonlib.engine.serve.metrics import Metrics
 from lessonlib.engine.serve.protocol import (ApiError, ChatCompletionRequest, CompletionRequest, chat_logprobs,
                                              chat_turns, completion_logprobs, field_named_in, refuse_unsupported,
@@ -180,18 +180,20 @@ def _completion_prompt(prompt):
 
 def _checked(llm, body, prompt, chat: bool):
     """In a worker thread: the prompt rendered (chat) and tokenized, the parameters mapped, and the request's
-    sequences made, each checked by the engine's own rules; the echo text (completions' ``echo``). ApiError (400)
-    for anything refused."""
+    sequences made, each checked once, by the engine's own rules (``LLM.make_sequences``); the echo text
+    (completions' ``echo``). ApiError (400) for anything refused."""
     where = "messages" if chat else "prompt"
     try:
         if chat:
             [rendered] = chat_prompts(llm.tokenizer, prompt, None, body.add_generation_prompt,
                                       llm.limits.max_prompt_chars)
             ids, text = rendered["prompt_token_ids"], rendered["prompt"]
+        elif isinstance(prompt, str):
+            ids, text = tokenize(llm.tokenizer, prompt, llm.limits.max_prompt_chars), prompt
         else:
-            ids, text = prompt_ids(prompt, llm.tokenizer, llm.limits)
+            ids, text = prompt, None
         params = sampling_params(body, len(ids), llm.max_model_len)
-        seqs = llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params)
+        seqs = llm.make_sequences({"prompt_token_ids": ids, "prompt": text}, params)  # the prompt checked, once
     except (ValueError, TypeError) as error:
         message = str(error)
         if "maximum context" in message or "longer than the cache" in message:

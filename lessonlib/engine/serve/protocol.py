@@ -138,6 +138,10 @@ def sampling_params(request: _Request, prompt_tokens: int, max_model_len: int) -
     values = {name: getattr(request, name, None) for name in SAMPLING_FIELDS}
     values["logit_bias"] = _logit_bias(request.logit_bias)
     room = max_model_len - prompt_tokens
+    if room < 1:
+        raise ApiError(f"This model's maximum context length is {max_model_len} tokens. However, your prompt has "
+                       f"{prompt_tokens} tokens (one more is needed for the completion). Please reduce the length.",
+                       param="prompt", code="context_length_exceeded")
     if isinstance(request, ChatCompletionRequest):
         asked = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         values["max_tokens"] = room if asked is None else asked  # vLLM's default: what the context leaves
