@@ -152,6 +152,39 @@ def test_a_request_whose_logprobs_fail_ends_alone(llm, monkeypatch):
     assert llm.num_blocks_in_use() == 0
 
 
+def test_a_failed_step_ends_the_running_requests_and_the_waiting_ones_run_on(path, monkeypatch):
+    llm = LLM(model=str(path), max_num_seqs=1, num_blocks=32, max_model_len=256, features=PLAIN_PYTORCH)
+    [want] = llm.generate("softmax tile", greedy(4))
+    real, calls = llm.runner.decode, []
+
+    def failing(seqs, previous_rows=None):  # the batched model fails at the running request's second decode
+        calls.append(len(seqs))
+        if len(calls) == 2:
+            raise RuntimeError("planted step failure")
+        return real(seqs, previous_rows)
+
+    monkeypatch.setattr(llm.runner, "decode", failing)
+
+    async def run():
+        engine = AsyncLLM(llm)
+
+        async def last(outputs):
+            try:
+                return [out async for out in outputs][-1]
+            except RuntimeError as error:
+                return error
+        # one seat: "a" runs, "b" waits for it
+        ends = await asyncio.gather(last(engine.generate("attention kernel", greedy(6), "a")),
+                                    last(engine.generate("softmax tile", greedy(4), "b")))
+        await engine.shutdown()
+        return ends
+
+    running, waiting = asyncio.run(run())
+    assert isinstance(running, RuntimeError) and "planted step failure" in str(running)
+    assert waiting.finished and waiting.outputs[0].token_ids == want.outputs[0].token_ids
+    assert llm.num_blocks_in_use() == 0 and not llm.has_unfinished_requests()
+
+
 def stop_between(tokenizer, ids, span):
     """A stop string from the last character of a token k to the first of token k + span - 1 (it spans ``span``
     tokens) whose first occurrence in the text is there: a stream would show its first character a step early."""

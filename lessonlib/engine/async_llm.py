@@ -17,7 +17,8 @@ the engine is idle at once. After each step every request with new tokens gets a
 An aborted request (``abort``, or a consumer that stops iterating: a client that disconnects) leaves the scheduler
 and returns its KV blocks to the pool before the next step runs (``LLM.abort_request``). A request whose own
 sampling fails ends alone (``finish_reason`` "abort", its ``error`` saying why); only a step that fails as a whole
-(the batched model itself) ends every request in it, each stream getting the error.
+(the batched model itself) ends the requests running, each of their streams getting the error; the waiting ones
+run on.
 
 A server checks (and tokenizes) a request off the event loop first, ``LLM.make_sequences`` in a thread, then
 streams the checked sequences with ``stream(seqs, request_id)``; ``generate`` does both in one call.
@@ -149,8 +150,8 @@ class AsyncLLM:
         self._apply_pending()  # shutdown's aborts
 
     def _fail_stepped(self, error: Exception) -> None:
-        """After a step that failed as a whole: the requests it ended get the error; a request the engine still
-        holds (none, today: ``LLM.step`` frees all) or not yet added runs on."""
+        """After a step that failed as a whole: the requests it ended (the running ones) get the error; a waiting
+        request, or one not yet added, runs on."""
         for request_id, stream in list(self._streams.items()):
             if stream.added and all(seq.status is Status.FINISHED for seq in stream.seqs):
                 self.num_aborted += 1

@@ -8,7 +8,7 @@
 
 Every input is checked before the engine's state changes (``engine/requests.py``). A request whose own sampling or
 stop check fails ends alone, "abort" with its ``error``, the others go on; a step whose batched model fails frees
-everything it held, so after any error the engine is empty and ready for the next call.
+the running requests (the waiting ones stay queued), so after any error the engine is usable for the next call.
 
 Asynchronous scheduling (``Features.async_scheduling``, vLLM's ``async_scheduling``): a greedy decode step is left
 running on the GPU while the host schedules and launches the next one, whose input tokens the GPU takes from the
@@ -192,8 +192,13 @@ class LLM:
         self.steps = []
         for group in groups:
             self.add_sequences(group)
-        while self.has_unfinished_requests():
-            self.step()
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except BaseException:  # a failed step ended the running requests; generate's waiting ones end with them
+            for seq in [seq for group in groups for seq in group]:
+                self.abort_request(seq)
+            raise
         return [request_output(self.tokenizer, group) for group in groups]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -208,7 +213,7 @@ class LLM:
         """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. With
         asynchronous scheduling a greedy decode step is left running and completed by the next call, after that
         call has launched the step that follows it (or has found that the next step needs its tokens first). A
-        failure frees every request and the prefix cache, and is raised."""
+        failure frees every running request and the prefix cache, and is raised; the waiting requests stay queued."""
         previous, self._in_flight = self._in_flight, None
         try:
             if previous is None:
@@ -231,8 +236,9 @@ class LLM:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 while seq.token_ids and seq.token_ids[-1] == PENDING:  # tokens that will never arrive
                     seq.token_ids.pop()
+            for seq in self.scheduler.running:
                 self.sampler.forget(seq.seq_id)
-            self.scheduler.abort_all()
+            self.scheduler.abort_running()
             raise
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, previous: Launched | None) -> Launched:
