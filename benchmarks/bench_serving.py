@@ -29,9 +29,12 @@ not finished by then is cancelled and counted as failed (``cut_by_deadline`` of 
 one still without its first token counts its wait so far as its TTFT. The run's notes hold issue 26's targets computed
 from its records (``targets``); an interrupt still writes the file.
 
-Recorded per (server, workload, rate): time to first token, inter-token latency (the gaps between a stream's
-chunks, pooled) and end-to-end latency, each at p50/p90/p99 in milliseconds, output tokens/s (all output tokens /
-from the first arrival to the last completion), completed and failed requests. A server that fails to start or
+Recorded per (server, workload, rate), what ``vllm bench serve`` reports: time to first token (TTFT), time per
+output token per request after its first (TPOT), inter-token latency per chunk (ITL: the gaps between a stream's
+chunks, pooled) and end-to-end latency (E2EL), each as mean, median, p90 and p99 in milliseconds (``p50`` is the
+median); output tokens/s (all output tokens / from the first arrival to the last completion) and its peak (the most
+tokens in one second of the run, chunks counted); goodput (requests/s that met every SLO of GOODPUT_SLO_MS);
+completed (successful) and failed requests; and whether ``ignore_eos`` was sent. A server that fails to start or
 to answer is recorded with its error.
 
 ``--smoke`` (any machine, CPU included): the course's tiny model, the course's server with every kernel off
@@ -80,6 +83,9 @@ SMOKE = dict(rates=(2.0, 8.0), requests=(4, 4), prompt_words=(3, 12), output_tok
 FULL = dict(rates=RATES, requests=REQUESTS, prompt_words=PROMPT_WORDS, output_tokens=OUTPUT_TOKENS,
             shared_prefix_words=SHARED_PREFIX_WORDS, arrival_s=ARRIVAL_S, drain_s=DRAIN_S)
 # issue 26's serving targets (the chunked-prefill latency target is bench_chunked_prefill.py's)
+# vllm bench serve's --goodput: a request is good if its TTFT and TPOT are both within these (issue 26's TTFT knee;
+# a TPOT of 100 ms, 10 tokens/s, is about reading speed for a user watching a stream)
+GOODPUT_SLO_MS = {"ttft": TTFT_KNEE_S * 1e3, "tpot": 100.0}
 TARGETS = dict(knee_rate_over_peer=2.0, latency_over_peer_at_its_knee=0.5, saturation_chunked_over_prefill_first=0.95)
 
 
@@ -116,11 +122,37 @@ def request_count(rate: float, sizes: dict) -> int:
 
 
 def percentiles(values: list[float]) -> dict:
+    """Seconds to milliseconds: mean, median (also as p50) and p90, p99 by nearest rank."""
     if not values:
-        return {"p50": None, "p90": None, "p99": None}
+        return {"mean": None, "median": None, "p50": None, "p90": None, "p99": None}
     ordered = sorted(values)
     pick = lambda q: ordered[min(len(ordered) - 1, int(math.ceil(q * len(ordered))) - 1)]  # nearest rank
-    return {f"p{int(q * 100)}": round(pick(q) * 1e3, 3) for q in (0.5, 0.9, 0.99)}
+    ranks = {f"p{int(q * 100)}": round(pick(q) * 1e3, 3) for q in (0.5, 0.9, 0.99)}
+    return {"mean": round(sum(values) / len(values) * 1e3, 3), "median": ranks["p50"], **ranks}
+
+
+def tpot(result: dict) -> float | None:
+    """A finished request's time per output token after the first (vllm bench serve's TPOT), in seconds."""
+    if result["ttft"] is None or result["tokens"] < 2:
+        return None
+    return (result["e2e"] - result["ttft"]) / (result["tokens"] - 1)
+
+
+def peak_tokens_per_s(chunk_times: list[float]) -> int:
+    """The most chunks (a token each, streamed one per engine step) that arrived within one second of the run."""
+    if not chunk_times:
+        return 0
+    seconds = [math.floor(t - min(chunk_times)) for t in chunk_times]
+    return max(seconds.count(s) for s in set(seconds))
+
+
+def goodput(finished: list[dict], span: float) -> float | None:
+    """Requests per second that met every SLO of GOODPUT_SLO_MS (vllm bench serve's --goodput)."""
+    if not finished or span <= 0:
+        return None
+    good = [r for r in finished if r["ttft"] is not None and r["ttft"] * 1e3 <= GOODPUT_SLO_MS["ttft"]
+            and (tpot(r) is None or tpot(r) * 1e3 <= GOODPUT_SLO_MS["tpot"])]
+    return round(len(good) / span, 3)
 
 
 async def one_request(client, model: str, request: Request, start: float, extra: dict, seen: dict) -> dict:
@@ -171,11 +203,14 @@ async def run_rate(base_url: str, model: str, requests: list[Request], deadline_
     tokens = sum(r["tokens"] for r in finished)
     span = max((r["done"] for r in finished), default=start) - start - min(r.arrival for r in requests)
     return {"ttft_ms": percentiles(ttfts), "ttft_censored": len(cut_short),
+            "tpot_ms": percentiles([t for t in map(tpot, finished) if t is not None]),
             "itl_ms": percentiles([b - a for s in sent for a, b in zip(s["chunks"], s["chunks"][1:])]),
             "e2e_ms": percentiles([r["e2e"] for r in finished]),
             "output_tokens_per_s": round(tokens / span, 2) if finished and span > 0 else None, "output_tokens": tokens,
+            "peak_output_tokens_per_s": peak_tokens_per_s([t for s in sent for t in s["chunks"]]),
+            "request_goodput": goodput(finished, span), "goodput_slo_ms": GOODPUT_SLO_MS,
             "completed": len(finished), "failed": len(errors), "cut_by_deadline": errors.count("deadline"),
-            "first_error": errors[0] if errors else None}
+            "first_error": errors[0] if errors else None, "ignore_eos": bool(extra.get("ignore_eos"))}
 
 
 def past_knee(measured: dict) -> bool:

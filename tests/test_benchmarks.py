@@ -377,8 +377,10 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
         {(kind, rate) for kind in ("random", "shared prefix") for rate in sizes["rates"]}
     for r in served:  # every request answered, its measurements ordered as percentiles are
         assert r["completed"] == r["shape"]["requests"] and r["failed"] == 0 and r["output_tokens_per_s"] > 0
-        for metric in ("ttft_ms", "e2e_ms"):
-            assert 0 < r[metric]["p50"] <= r[metric]["p90"] <= r[metric]["p99"]
+        for metric in ("ttft_ms", "e2e_ms", "tpot_ms"):
+            assert 0 < r[metric]["p50"] <= r[metric]["p90"] <= r[metric]["p99"] and r[metric]["mean"] > 0
+        assert r["ignore_eos"] is (r["impl"] != Impl.HF_SERVE) and r["peak_output_tokens_per_s"] > 0
+        assert 0 <= r["request_goodput"] and r["goodput_slo_ms"] == {"ttft": 2000.0, "tpot": 100.0}
     # each peer is in the file: measured, or with the reason it did not run
     assert {r["impl"] for r in recorded.records} == {Impl.SERVER_CHUNKED_PREFILL, Impl.SERVER_NO_CHUNKED_PREFILL,
                                                      Impl.HF_SERVE}
@@ -386,6 +388,21 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
     from benchmarks import bench_serving
 
     assert recorded.notes["targets"] == bench_serving.targets(recorded.records)  # computed from the run's records
+
+
+def test_bench_serving_reports_what_vllm_bench_serve_reports_on_hand_made_requests():
+    import bench_serving
+
+    # three requests: TTFT 0.5, 1.0 and 3.0 s; 5 tokens each over E2EL 0.9, 1.8, 3.2 s: TPOT 0.1, 0.2, 0.05 s
+    finished = [{"ttft": 0.5, "e2e": 0.9, "tokens": 5}, {"ttft": 1.0, "e2e": 1.8, "tokens": 5},
+                {"ttft": 3.0, "e2e": 3.2, "tokens": 5}]
+    assert [bench_serving.tpot(r) for r in finished] == pytest.approx([0.1, 0.2, 0.05])
+    stats = bench_serving.percentiles([r["ttft"] for r in finished])
+    assert stats["mean"] == 1500.0 and stats["median"] == stats["p50"] == 1000.0 and stats["p99"] == 3000.0
+    # good: TTFT <= 2 s and TPOT <= 100 ms: only the first (the second is too slow per token, the third to start)
+    assert bench_serving.goodput(finished, span=2.0) == 0.5
+    assert bench_serving.peak_tokens_per_s([0.0, 0.2, 0.9, 1.1, 1.5, 1.6, 1.7, 2.5]) == 4  # [1, 2): 4 chunks
+    assert bench_serving.tpot({"ttft": 0.3, "e2e": 0.3, "tokens": 1}) is None
 
 
 def serving_row(impl, rate, ttft_p99_ms, itl_p99_ms, tokens_per_s, failed=0):

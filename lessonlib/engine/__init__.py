@@ -12,12 +12,16 @@ The folder tree is the architecture (nano-vllm's layout):
     features.py        one switch per speed-up (fused ops, FlashAttention prefill, paged decode, CUDA graphs,
                        continuous batching): the rungs of lesson 07's tokens/s ladder; chunked prefill
     sequence.py        SamplingParams, a request's state (Sequence), the outputs
+    requests.py        a request's one way in: prompt tokenized and checked, params checked against the model, its
+                       n seeded sequences (LLM.generate, add_request, chat and the server all come through here)
     block_manager.py   which KV blocks each sequence holds; prefix caching (lesson 03's allocator)
     scheduler.py       continuous batching: admission, decode, preemption, chunked prefill
     model.py           the decoder on lessonlib.ops kernels; loading safetensors weights (matched by name and shape)
     model_runner.py    packed step inputs, the KV pools, CUDA graphs per batch-size bucket
-    sampler.py         greedy; temperature, min-p, top-k, top-p, seeded; NaN/inf rows refused; logprobs
-    outputs.py         finished sequences to RequestOutputs: stop strings on the text, logprobs, n samples
+    sampler.py         logit bias, min tokens, penalties; greedy; temperature, min-p, top-k, top-p, seeded; NaN/inf
+                       rows refused; a row whose sampling fails ends its request alone; logprobs
+    outputs.py         sequences to RequestOutputs, finished or streamed: stop strings on the text (held back while
+                       a stream runs), logprobs, n samples
     chat.py            LLM.chat: conversations rendered with the chat template
     checks.py          check_kernels=True: block tables and slots checked before each step's kernels
     llm.py             LLM: generate(), chat(), add_request()/step()/abort_request()

@@ -15,7 +15,13 @@ loop: a request added or aborted while a step runs is applied as soon as that st
 the engine is idle at once. After each step every request with new tokens gets a ``RequestOutput`` on its own queue.
 
 An aborted request (``abort``, or a consumer that stops iterating: a client that disconnects) leaves the scheduler
-and returns its KV blocks to the pool before the next step runs (``LLM.abort_request``).
+and returns its KV blocks to the pool before the next step runs (``LLM.abort_request``). A request whose own
+sampling fails ends alone (``finish_reason`` "abort", its ``error`` saying why); only a step that fails as a whole
+(the batched model itself) ends the requests running, each of their streams getting the error; the waiting ones
+run on.
+
+A server checks (and tokenizes) a request off the event loop first, ``LLM.make_sequences`` in a thread, then
+streams the checked sequences with ``stream(seqs, request_id)``; ``generate`` does both in one call.
 """
 
 from __future__ import annotations
@@ -23,26 +29,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from lessonlib.engine.llm import LLM, PENDING
-from lessonlib.engine.outputs import completion
-from lessonlib.engine.sequence import CompletionOutput, RequestOutput, SamplingParams, Sequence, Status
+from lessonlib.engine.outputs import request_output
+from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 
 
 @dataclass
 class _Stream:
-    prompt: object
-    params: SamplingParams
+    seqs: list[Sequence]  # the n samples, checked; queued in the engine once added
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    seqs: list[Sequence] = field(default_factory=list)  # the n samples, set once the engine has the request
     sent: list[int] = field(default_factory=list)  # each sample's output tokens already put on the queue
-
-
-def _sample_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of a request's ``n`` samples: one sequence, seeded ``seed + i`` (``LLM.generate``'s rule)."""
-    seed = params.seed if params.seed is None or i == 0 else (params.seed + i) % 2**64
-    return replace(params, n=1, seed=seed)
+    added: bool = False
 
 
 class AsyncLLM:
@@ -55,7 +54,7 @@ class AsyncLLM:
         self._to_abort: list[str] = []
         self._stepping = False  # a step runs in the worker thread: the engine's state must not change now
         self._closed = False
-        self.num_aborted = 0  # requests stopped before they finished (abort, or a consumer that went away)
+        self.num_aborted = 0  # requests stopped before they finished (abort, a consumer that went away, a failure)
         self._wake: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
@@ -64,14 +63,22 @@ class AsyncLLM:
     async def generate(self, prompt, params: SamplingParams, request_id: str) -> AsyncIterator[RequestOutput]:
         """Yield the request's output after each step that gave it tokens, the last with ``finished`` True. A bad
         prompt or params raise here, before the engine sees the request."""
+        outputs = self.stream(self.llm.make_sequences(prompt, params), request_id)
+        try:
+            async for out in outputs:
+                yield out
+        finally:  # a consumer that stops early aborts the request now, not when the inner generator is collected
+            await outputs.aclose()
+
+    async def stream(self, seqs: list[Sequence], request_id: str) -> AsyncIterator[RequestOutput]:
+        """``generate`` for a request already checked: its sequences from ``LLM.make_sequences``."""
         if not isinstance(request_id, str) or not request_id:
             raise TypeError(f"request_id must be a non-empty str, got {request_id!r}")
         if self._closed:
             raise RuntimeError("this AsyncLLM has been shut down")
         if request_id in self._streams:
             raise ValueError(f"request {request_id!r} is already running")
-        self.llm.make_sequence(prompt, params)  # the checks alone: raises before anything is queued
-        stream = self._streams[request_id] = _Stream(prompt, params)
+        stream = self._streams[request_id] = _Stream(list(seqs), sent=[0] * len(seqs))
         self._to_add.append(request_id)
         self._kick()
         finished = False
@@ -107,27 +114,19 @@ class AsyncLLM:
         """Aborts, then additions, applied to the engine (called only while no step runs)."""
         for request_id in self._to_abort:
             stream = self._streams.pop(request_id, None)
-            if stream is not None and stream.seqs:
+            if stream is not None and stream.added:
                 self.num_aborted += any([self.llm.abort_request(seq) for seq in stream.seqs])
                 # its last output, for a consumer still listening (an abort() from elsewhere)
-                known = [seq.output_token_ids for seq in stream.seqs]
-                stream.queue.put_nowait(self._output(request_id, stream.seqs, known))
+                stream.queue.put_nowait(request_output(self.llm.tokenizer, stream.seqs, request_id))
             elif stream is not None:
+                self.num_aborted += 1
                 stream.queue.put_nowait(RuntimeError(f"request {request_id!r} was aborted before it started"))
         self._to_abort.clear()
         for request_id in self._to_add:
             stream = self._streams.get(request_id)
-            if stream is None:  # aborted before it started
-                continue
-            try:
-                for i in range(stream.params.n):
-                    stream.seqs.append(self.llm.add_request(stream.prompt, _sample_params(stream.params, i)))
-                    stream.sent.append(0)
-            except Exception as error:  # checked in generate(); the engine's own refusal still reaches the caller
-                for seq in stream.seqs:
-                    self.llm.abort_request(seq)
-                self._streams.pop(request_id)
-                stream.queue.put_nowait(error)
+            if stream is not None:  # (None: aborted before it started)
+                self.llm.add_sequences(stream.seqs)
+                stream.added = True
         self._to_add.clear()
 
     async def _run(self) -> None:
@@ -141,11 +140,8 @@ class AsyncLLM:
             self._stepping = True
             try:
                 await loop.run_in_executor(self._worker, self.llm.step)
-            except Exception as error:  # the engine freed every request (LLM.step): each stream gets the error
-                for stream in self._streams.values():
-                    stream.queue.put_nowait(error)
-                self._streams.clear()
-                self._to_add.clear()
+            except Exception as error:  # the batched step failed as a whole (LLM.step freed what it held)
+                self._fail_stepped(error)
                 continue
             finally:
                 self._stepping = False
@@ -153,44 +149,47 @@ class AsyncLLM:
             self._publish()
         self._apply_pending()  # shutdown's aborts
 
+    def _fail_stepped(self, error: Exception) -> None:
+        """After a step that failed as a whole: the requests it ended (the running ones) get the error; a waiting
+        request, or one not yet added, runs on."""
+        for request_id, stream in list(self._streams.items()):
+            if stream.added and all(seq.status is Status.FINISHED for seq in stream.seqs):
+                self.num_aborted += 1
+                stream.queue.put_nowait(error)
+                del self._streams[request_id]
+
     def _publish(self) -> None:
         for request_id, stream in list(self._streams.items()):
-            if not stream.seqs:
+            if not stream.added:
                 continue
             known = [seq.output_token_ids for seq in stream.seqs]
             known = [ids[:ids.index(PENDING)] if PENDING in ids else ids for ids in known]
             done = all(seq.status is Status.FINISHED for seq in stream.seqs)
             if done or any(len(ids) > sent for ids, sent in zip(known, stream.sent)):
                 stream.sent = [len(ids) for ids in known]
-                stream.queue.put_nowait(self._output(request_id, stream.seqs, known))
+                out = request_output(self.llm.tokenizer, stream.seqs, request_id, known)
+                self.num_aborted += done and any(c.finish_reason == "abort" for c in out.outputs)
+                stream.queue.put_nowait(out)
             if done:
                 del self._streams[request_id]
 
-    def _output(self, request_id: str, seqs: list[Sequence], known: list[list[int]]) -> RequestOutput:
-        """The request's output so far: ``known[i]`` the tokens of sample i that reached the host. A finished sample
-        is given as ``LLM.generate`` gives it (its text cut at a stop string, its logprobs' tokens decoded)."""
-        tokenizer, first = self.llm.tokenizer, seqs[0]
-        completions = []
-        for i, (seq, ids) in enumerate(zip(seqs, known)):
-            if seq.status is Status.FINISHED:
-                completions.append(completion(tokenizer, seq, i))
-                continue
-            text = tokenizer.decode(ids, skip_special_tokens=True) if tokenizer is not None else None
-            logprobs = seq.logprobs[:len(ids)] if seq.logprobs is not None else None
-            completions.append(CompletionOutput(i, text, list(ids), None, logprobs=logprobs))
-        return RequestOutput(request_id, first.prompt, first.token_ids[:first.num_prompt_tokens], completions,
-                             num_cached_tokens=first.num_prompt_cached_tokens,
-                             num_preemptions=sum(seq.num_preemptions for seq in seqs),
-                             finished=all(seq.status is Status.FINISHED for seq in seqs))
-
-    # --- state, for the server's metrics -----------------------------------------------------------------------
+    # --- state, for the server's metrics: requests (a request's n samples count once) ---------------------------
     @property
     def num_running(self) -> int:
-        return len(self.llm.scheduler.running)
+        return sum(stream.added and any(seq.status is Status.RUNNING for seq in stream.seqs)
+                   for stream in self._streams.values())
 
     @property
     def num_waiting(self) -> int:
-        return len(self.llm.scheduler.waiting) + len(self._to_add)
+        return len(self._streams) - self.num_running
+
+    def abort_all(self, reason: str | None = None) -> None:
+        """Abort every request (after the step running now, if any); each stream gets its last output, "abort",
+        with ``reason`` as its error."""
+        for request_id, stream in list(self._streams.items()):
+            for seq in stream.seqs:
+                seq.error = seq.error or reason
+            self._abort_now_or_after_step(request_id)
 
     async def shutdown(self) -> None:
         """Abort every request (after the step running now, if any) and stop the stepping task and its thread."""

@@ -6,8 +6,9 @@
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
     outs = llm.chat([{"role": "user", "content": "Hi"}], params)  # the tokenizer's chat template
 
-Every input is checked before the engine's state changes, and a step that fails frees everything it held, so after
-any error the engine is empty and ready for the next call.
+Every input is checked before the engine's state changes (``engine/requests.py``). A request whose own sampling or
+stop check fails ends alone, "abort" with its ``error``, the others go on; a step whose batched model fails frees
+the running requests (the waiting ones stay queued), so after any error the engine is usable for the next call.
 
 Asynchronous scheduling (``Features.async_scheduling``, vLLM's ``async_scheduling``): a greedy decode step is left
 running on the GPU while the host schedules and launches the next one, whose input tokens the GPU takes from the
@@ -35,7 +36,8 @@ from lessonlib.engine.features import Features
 from lessonlib.engine.model import Model
 from lessonlib.engine.model_runner import ModelRunner, PendingTokens
 from lessonlib.engine.outputs import request_output, stop_reason
-from lessonlib.engine.sampler import ABORTED, Sampler, top_logprobs
+from lessonlib.engine.requests import RequestLimits, longest_token_chars, make_sequences
+from lessonlib.engine.sampler import ABORTED, Sampler
 from lessonlib.engine.scheduler import Scheduler, token_budget
 from lessonlib.engine.sequence import RequestOutput, SamplingParams, Sequence, Status
 
@@ -115,6 +117,8 @@ class LLM:
         self.features = features
 
         self.tokenizer = _load_tokenizer(path)
+        self.limits = RequestLimits(config.vocab_size, self.max_model_len,
+                             self.max_model_len * longest_token_chars(self.tokenizer))
         self.model = Model(config, dtype, device, max_positions=self.max_model_len, features=features)
         self.model.load_weights(path)
         self.model.eval()
@@ -133,40 +137,24 @@ class LLM:
         return bool(self.runner.graphs)
 
     # --- requests ----------------------------------------------------------------------------------------------
-    def make_sequence(self, prompt, params: SamplingParams) -> Sequence:
-        """Check one prompt (text, a list of token ids, or {"prompt_token_ids": [...]}) and wrap it; no state
-        changes here."""
-        if not isinstance(params, SamplingParams):
-            raise TypeError(f"sampling params must be a SamplingParams, got {type(params).__name__}")
-        text = prompt.get("prompt") if isinstance(prompt, dict) else None  # LLM.chat's rendered text
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint has no tokenizer: pass token ids ({'prompt_token_ids': [...]})")
-            text, ids = prompt, self.tokenizer.encode(prompt)
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            ids = prompt["prompt_token_ids"]
-        elif isinstance(prompt, (list, tuple)):
-            ids = prompt
-        else:
-            raise TypeError(f"a prompt is a str, a list of token ids or a dict with 'prompt_token_ids', got "
-                            f"{type(prompt).__name__}")
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise ValueError("empty prompt: a prompt needs at least one token")
-        if min(ids) < 0 or max(ids) >= self.config.vocab_size:
-            raise ValueError(f"token id out of range: the vocabulary has {self.config.vocab_size} tokens")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens is longer than the cache can hold: at most "
-                             f"{self.max_model_len - 1} (max_model_len {self.max_model_len}: the prompt and one new token)")
-        return Sequence(ids, params, prompt=text)
+    def make_sequences(self, prompt, params: SamplingParams) -> list[Sequence]:
+        """One request's ``n`` sequences, checked (``engine/requests.py``); no state changes here."""
+        return make_sequences(prompt, params, self.limits, self.tokenizer)
 
     def add_request(self, prompt, params: SamplingParams) -> Sequence:
-        seq = self.make_sequence(prompt, params)
-        if params.n != 1:
+        if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"add_request runs one sample (n=1), got n={params.n}: use generate() for n > 1")
-        self.sampler.start(seq.seq_id, params.seed)
-        self.scheduler.add(seq)
+        [seq] = self.make_sequences(prompt, params)
+        self.add_sequences([seq])
         return seq
+
+    def add_sequences(self, seqs: list[Sequence]) -> None:
+        """Queue sequences that ``make_sequences`` made (checked there), each with its own generator."""
+        now = time.perf_counter()
+        for seq in seqs:
+            seq.queued_at = now
+            self.sampler.start(seq.seq_id, seq.params.seed)
+            self.scheduler.add(seq)
 
     def abort_request(self, seq: Sequence) -> bool:
         """Stop a request added with add_request: it leaves the scheduler and its KV blocks return to the pool now.
@@ -198,32 +186,34 @@ class LLM:
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         # All checked before any is added. The n samples of a prompt are n sequences with the same prompt: admitted
         # together, all but the first find its full prompt blocks in the prefix cache and share them.
-        groups = [[self.make_sequence(p, sp) for _ in range(getattr(sp, "n", 1))]  # (not a SamplingParams: refused)
-                  for p, sp in zip(prompts, params)]
+        groups = [self.make_sequences(p, sp) for p, sp in zip(prompts, params)]
         if self.has_unfinished_requests():
             raise RuntimeError("requests added with add_request() are still running: step() them to completion")
         self.steps = []
         for group in groups:
-            for i, seq in enumerate(group):
-                seed = seq.params.seed
-                self.sampler.start(seq.seq_id, seed if seed is None or i == 0 else (seed + i) % 2**64)
-                self.scheduler.add(seq)
-        while self.has_unfinished_requests():
-            self.step()
+            self.add_sequences(group)
+        try:
+            while self.has_unfinished_requests():
+                self.step()
+        except BaseException:  # a failed step ended the running requests; generate's waiting ones end with them
+            for seq in [seq for group in groups for seq in group]:
+                self.abort_request(seq)
+            raise
         return [request_output(self.tokenizer, group) for group in groups]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              chat_template: str | None = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """vLLM's LLM.chat: one conversation (a list of {"role", "content"} dicts) or a list of them, each rendered
         with the tokenizer's chat template (or ``chat_template``) and generated from."""
-        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt)
+        prompts = chat_prompts(self.tokenizer, messages, chat_template, add_generation_prompt,
+                               self.limits.max_prompt_chars)
         return self.generate(prompts, sampling_params)
 
     def step(self) -> list[Sequence]:
         """One scheduler step: prefill or decode, sample, retire finished sequences; returns those. With
         asynchronous scheduling a greedy decode step is left running and completed by the next call, after that
         call has launched the step that follows it (or has found that the next step needs its tokens first). A
-        failure frees every request and the prefix cache, and is raised."""
+        failure frees every running request and the prefix cache, and is raised; the waiting requests stay queued."""
         previous, self._in_flight = self._in_flight, None
         try:
             if previous is None:
@@ -246,14 +236,17 @@ class LLM:
             for seq in [*self.scheduler.running, *self.scheduler.waiting]:
                 while seq.token_ids and seq.token_ids[-1] == PENDING:  # tokens that will never arrive
                     seq.token_ids.pop()
+            for seq in self.scheduler.running:
                 self.sampler.forget(seq.seq_id)
-            self.scheduler.abort_all()
+            self.scheduler.abort_running()
             raise
 
     def _launch(self, seqs: list[Sequence], is_prefill: bool, previous: Launched | None) -> Launched:
         """Run the step's model and sampler (queued on the GPU), start its tokens' copy to the host, and give each
         sequence a placeholder for its new token."""
         started = time.perf_counter()
+        for seq in seqs:
+            seq.first_scheduled_at = seq.first_scheduled_at or started
         if self.check_kernels:
             check_step(seqs, list(self.scheduler.running), self.block_manager, is_prefill)
         chunks = self.scheduler.chunks if is_prefill and self.features.chunked_prefill else None
@@ -267,9 +260,12 @@ class LLM:
         else:
             rows = {seq.seq_id: row for row, seq in enumerate(previous.seqs)} if previous is not None else {}
             out = self.runner.decode(seqs, [rows[s.seq_id] if s.token_ids[-1] == PENDING else None for s in seqs])
+        eos = self.config.eos_token_ids
         tokens = self.sampler(out.logits, [s.seq_id for s in seqs], [s.params for s in seqs], greedy=out.greedy,
-                              check_all=self.check_kernels)
-        self._keep_logprobs(seqs, out.logits, tokens)
+                              check_all=self.check_kernels,
+                              histories=[(s.token_ids[:s.num_prompt_tokens], s.output_token_ids) for s in seqs],
+                              stop_ids=[(() if s.params.ignore_eos else eos) + s.params.stop_token_ids for s in seqs])
+        tokens = self.sampler.keep_logprobs(seqs, out.logits, tokens)
         if chunks is None:
             cached = sum(s.num_cached_tokens for s in seqs) if is_prefill else 0
             new_tokens = sum(len(s) for s in seqs) - cached if is_prefill else len(seqs)
@@ -283,21 +279,12 @@ class LLM:
         return Launched(seqs, is_prefill, self.runner.host_tokens.send(tokens), [len(s) - 1 for s in seqs],
                         new_tokens, cached, started, record)
 
-    def _keep_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """The logprobs of the step's new tokens, for the sequences that ask (the host waits for their tokens)."""
-        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None]
-        if not rows:
-            return
-        chosen = tokens[rows].tolist()
-        entries = top_logprobs(logits[rows], [max(t, 0) for t in chosen], [seqs[i].params.logprobs for i in rows])
-        for i, token, entry in zip(rows, chosen, entries):
-            seqs[i].logprobs = (seqs[i].logprobs or []) + ([entry] if token != ABORTED else [])
-
     def _may_leave_running(self, launched: Launched) -> bool:
         """A step may run on while the next is scheduled when that step could take its tokens on the GPU: a decode
         step of greedy requests (a sampled token is drawn outside the captured step) that want no logprobs."""
         return (self.features.async_scheduling and not launched.is_prefill and not self.check_kernels
-                and all(seq.params.greedy and seq.params.logprobs is None for seq in launched.seqs))
+                and all(seq.params.greedy and seq.params.logprobs is None and not seq.params.processes_logits
+                        for seq in launched.seqs))
 
     def _complete(self, launched: Launched) -> list[Sequence]:
         """Wait for a step's tokens, put them in place of its placeholders, retire the sequences that end, and
@@ -307,17 +294,20 @@ class LLM:
         for seq, token, index in zip(launched.seqs, tokens, launched.token_index):
             if seq.status is not Status.RUNNING:  # it ended at the step before, which this one was launched behind
                 continue
-            if token == ABORTED:  # NaN/inf logits or probabilities: it ends alone, its unshared blocks uncached
-                del seq.token_ids[index:]
-                self.block_manager.forget_blocks_of(seq)
-                self.scheduler.finish(seq, "abort")
-                self.sampler.forget(seq.seq_id)
+            if token == ABORTED:  # NaN/inf logits or probabilities, or its sampling failed: it ends alone
+                self._end_alone(seq, index, self.sampler.errors.get(seq.seq_id)
+                                or "the model's logits or probabilities were not finite (NaN or inf)")
                 finished.append(seq)
                 continue
             seq.token_ids[index] = token
             if not launched.is_prefill:
                 self.block_manager.register_written(seq, index - 1)  # the fed token's K/V are written
-            reason = self._finish_reason(seq, token, length=index + 1)
+            try:
+                reason = self._finish_reason(seq, token, length=index + 1)
+            except Exception as error:  # its stop strings could not be read (detokenizing failed): it alone ends
+                self._end_alone(seq, index + 1, f"stop check failed: {type(error).__name__}: {error}")
+                finished.append(seq)
+                continue
             if reason:
                 del seq.token_ids[index + 1:]  # a placeholder of the step launched behind this one
                 self.scheduler.finish(seq, reason)
@@ -332,8 +322,20 @@ class LLM:
         self._last_done = now
         return finished
 
+    def _end_alone(self, seq: Sequence, keep: int, error: str) -> None:
+        """End one sequence with "abort" and why, its tokens from ``keep`` dropped and its unshared blocks uncached;
+        the step's other sequences go on."""
+        del seq.token_ids[keep:]
+        seq.error = error
+        self.block_manager.forget_blocks_of(seq)
+        self.scheduler.finish(seq, "abort")
+        self.sampler.forget(seq.seq_id)
+
     def _finish_reason(self, seq: Sequence, token: int, length: int) -> str | None:
-        """Why a sequence whose token at ``length - 1`` is ``token`` ends there, if it does."""
+        """Why a sequence whose token at ``length - 1`` is ``token`` ends there, if it does (only by length before
+        it has ``min_tokens`` tokens)."""
+        if length - seq.num_prompt_tokens < seq.params.min_tokens:
+            token = PENDING  # (the processors masked its end tokens; stop strings wait too, as vLLM's)
         if not seq.params.ignore_eos and token in self.config.eos_token_ids:
             return "stop"
         if token != PENDING and (seq.params.stop or seq.params.stop_token_ids):  # (a plain request: no slicing)

@@ -1,13 +1,18 @@
-"""From logits to the next token: greedy, or sampled with temperature, min-p, top-k and top-p (vLLM's order),
-reproducible with a seed; a row whose logits or probabilities are not finite is refused (ABORTED), greedy or
-sampled; the logprobs a request asks for."""
+"""From logits to the next token: the logits processors (logit bias, min tokens, penalties), then greedy, or sampled
+with temperature, min-p, top-k and top-p (vLLM's order), reproducible with a seed; a row whose logits or
+probabilities are not finite is refused (ABORTED), greedy or sampled; the logprobs a request asks for.
+
+Fault isolation: the rows are one batch, but a row's failure is its request's alone. A processor runs row by row;
+if the batched filters raise, each row is run alone and only the rows that raise alone get ABORTED, their error kept
+in ``Sampler.errors`` for the engine to end that request with ("abort", and why); the others go on.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from lessonlib import ops, runtime
-from lessonlib.engine.sequence import Logprob, SamplingParams
+from lessonlib.engine.sequence import Logprob, SamplingParams, Sequence
 
 ABORTED = -2  # the token of a row whose logits or probabilities were NaN or inf: its request ends alone, "abort"
 
@@ -68,6 +73,29 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return top_p_filter(torch.softmax(logits, dim=-1), torch.tensor([p.top_p for p in params], device=device))
 
 
+def process_logits(logits: torch.Tensor, params: SamplingParams, prompt: list[int], output: list[int],
+                   stop_ids: tuple[int, ...]) -> torch.Tensor:
+    """One row's logits (V,) after vLLM's processors, in vLLM's order: ``min_tokens`` (``stop_ids`` -inf while
+    fewer than min_tokens are out), ``logit_bias`` (added), then the penalties: ``repetition_penalty`` r on every
+    token seen in the prompt or output (a positive logit divided by r, a negative one multiplied by it),
+    ``frequency_penalty`` f times the token's count in the output and ``presence_penalty`` p once if it is there,
+    subtracted. A new tensor; the raw logits (whose logprobs are reported) are left alone."""
+    logits = logits.float().clone()
+    vocab, device = logits.shape[-1], logits.device
+    if len(output) < params.min_tokens and stop_ids:
+        logits[torch.tensor(stop_ids, device=device)] = float("-inf")
+    if params.logit_bias:
+        tokens, biases = zip(*params.logit_bias)
+        logits[torch.tensor(tokens, device=device)] += torch.tensor(biases, device=device)
+    counts = torch.bincount(torch.tensor(output, dtype=torch.long, device=device), minlength=vocab).float()
+    if params.repetition_penalty != 1.0:
+        seen = counts > 0
+        seen[torch.tensor(prompt, dtype=torch.long, device=device)] = True
+        r = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    return logits - params.frequency_penalty * counts - params.presence_penalty * (counts > 0).float()
+
+
 def top_logprobs(logits: torch.Tensor, tokens: list[int], counts: list[int]) -> list[dict[int, Logprob]]:
     """For each row: the chosen token's log-probability and rank, and the ``counts[row]`` most likely tokens'
     (vLLM's raw logprobs: log_softmax of the model's logits, before temperature and filters). logits: (B, V)."""
@@ -92,6 +120,7 @@ class Sampler:
     def __init__(self, device: torch.device):
         self.device = device
         self._generators: dict[int, torch.Generator] = {}
+        self.errors: dict[int, str] = {}  # seq_id -> why its row failed (its token is ABORTED); the engine pops it
 
     def start(self, seq_id: int, seed: int | None) -> None:
         generator = torch.Generator(device=self.device)
@@ -103,25 +132,84 @@ class Sampler:
 
     def forget(self, seq_id: int) -> None:
         self._generators.pop(seq_id, None)
+        self.errors.pop(seq_id, None)
 
     def __call__(self, logits: torch.Tensor, seq_ids: list[int], params: list[SamplingParams],
-                 greedy: torch.Tensor | None = None, check_all: bool = False) -> torch.Tensor:
+                 greedy: torch.Tensor | None = None, check_all: bool = False,
+                 histories: list[tuple[list[int], list[int]]] | None = None,
+                 stop_ids: list[tuple[int, ...]] | None = None) -> torch.Tensor:
         """logits: (B, V) float32; greedy: (B,) each row's ``greedy`` token if the step computed it already (the
         engine's runner does, on the GPU, ABORTED where the row's logits are not finite). Returns the B token ids as
         a (B,) int64 tensor on the logits' device, without the host waiting for the GPU. A row whose logits
-        (greedy) or probabilities (sampled) are not finite gets ABORTED instead of a token. ``check_all``: every
-        row's logits checked here again, as LLM(check_kernels=True) asks."""
+        (greedy) or probabilities (sampled) are not finite gets ABORTED instead of a token, as does a row whose
+        own sampling raises (``errors``). ``check_all``: every row's logits checked here again, as
+        LLM(check_kernels=True) asks. ``histories``: each row's (prompt, output) token ids and ``stop_ids`` its
+        end tokens, for the rows whose params process their logits."""
         tokens = greedy_tokens(logits) if greedy is None else greedy
+        processed = [i for i, p in enumerate(params) if p.processes_logits]
         sampled = [i for i, p in enumerate(params) if not p.greedy]
-        if sampled or check_all:  # rows overwrite their greedy token (in a copy: greedy may be a graph's output)
+        if sampled or check_all or processed:  # rows overwrite their token (a copy: greedy may be a graph's output)
             tokens = tokens.clone()
         if check_all:
             tokens[~torch.isfinite(logits).all(dim=-1)] = ABORTED
+        if processed:
+            raw, logits = logits, logits.clone()
+
+            def process(i):  # (a processor may set -inf: the model's own logits are the ones checked for NaN/inf)
+                logits[i] = process_logits(raw[i], params[i], *histories[i], stop_ids[i])
+                if params[i].greedy:
+                    tokens[i] = torch.where(torch.isfinite(raw[i]).all(), logits[i].argmax(), ABORTED)
+            self._alone(processed, seq_ids, tokens, process)
+        sampled = [i for i in sampled if seq_ids[i] not in self.errors]
         if sampled:
-            probs = sampling_probs(logits[torch.tensor(sampled, device=logits.device)], [params[i] for i in sampled])
-            finite = torch.isfinite(probs).all(dim=-1)  # decided on the device: the host does not wait here
-            probs = torch.where(finite[:, None], probs, 1.0)  # (a drawable stand-in, replaced by ABORTED below)
-            for row, i in enumerate(sampled):
-                drawn = torch.multinomial(probs[row], 1, generator=self._generators[seq_ids[i]])[0]
-                tokens[i] = torch.where(finite[row], drawn, ABORTED)
+            self._sample(logits, tokens, sampled, seq_ids, params)
         return tokens
+
+    def keep_logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """The logprobs of the step's new tokens, for the sequences that ask (the host waits for their tokens); a
+        row whose logprobs fail gets ABORTED and its error kept, as a row whose sampling fails. Returns the step's
+        tokens (a copy if a row was ABORTED here: ``tokens`` may be a graph's output)."""
+        rows = [i for i, seq in enumerate(seqs) if seq.params.logprobs is not None and seq.seq_id not in self.errors]
+
+        def keep(group: list[int]) -> None:
+            chosen = tokens[group].tolist()
+            entries = top_logprobs(logits[group], [max(t, 0) for t in chosen],
+                                   [seqs[i].params.logprobs for i in group])
+            for i, token, entry in zip(group, chosen, entries):
+                seqs[i].logprobs = (seqs[i].logprobs or []) + ([entry] if token != ABORTED else [])
+        try:
+            if rows:
+                keep(rows)
+        except Exception:  # one row's failure: each alone
+            tokens = tokens.clone()
+            self._alone(rows, [seq.seq_id for seq in seqs], tokens, lambda i: keep([i]))
+        return tokens
+
+    def _sample(self, logits, tokens, rows: list[int], seq_ids: list[int], params: list[SamplingParams]) -> None:
+        """Draw the sampled rows' tokens into ``tokens``: the filters batched, or row by row if the batch raises."""
+        probs = {}
+        try:
+            probs.update(zip(rows, sampling_probs(logits[torch.tensor(rows, device=logits.device)],
+                                                  [params[i] for i in rows])))
+        except Exception:  # one row's failure: find it by running each alone (no generator has drawn yet)
+            self._alone(rows, seq_ids, tokens, lambda i: probs.update({i: sampling_probs(logits[i:i + 1],
+                                                                                         [params[i]])[0]}))
+
+        def draw(i):
+            finite = torch.isfinite(probs[i]).all()  # decided on the device: the host does not wait here
+            row = torch.where(finite, probs[i], 1.0)  # (a drawable stand-in, replaced by ABORTED below)
+            drawn = torch.multinomial(row, 1, generator=self._generators[seq_ids[i]])[0]
+            tokens[i] = torch.where(finite, drawn, ABORTED)
+        self._alone(list(probs), seq_ids, tokens, draw)
+
+    def _alone(self, rows: list[int], seq_ids: list[int], tokens: torch.Tensor, work) -> None:
+        """``work(i)`` for each row alone; a row whose work raises gets ABORTED and its error is kept in ``errors``
+        (the exception goes no further: the other rows go on)."""
+        for i in rows:
+            if seq_ids[i] in self.errors:
+                continue
+            try:
+                work(i)
+            except Exception as error:
+                tokens[i] = ABORTED
+                self.errors[seq_ids[i]] = f"sampling failed: {type(error).__name__}: {error}"  # (or its logprobs)

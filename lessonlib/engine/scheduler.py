@@ -200,14 +200,14 @@ class Scheduler:
         seq.status = Status.FINISHED
         seq.finish_reason = "abort"
 
-    def abort_all(self) -> None:
-        """Free every sequence (after a failed step): the engine is empty and usable again."""
-        for seq in [*self.running, *self.waiting]:
+    def abort_running(self) -> None:
+        """After a failed step: free every running sequence (their K/V may be half written, so the prefix cache is
+        forgotten too). The waiting ones were not in the step and hold no blocks: they stay queued."""
+        for seq in self.running:
             self.blocks.free(seq)
             seq.status = Status.FINISHED
             seq.finish_reason = "abort"
         self.running.clear()
-        self.waiting.clear()
         self.prefilling.clear()
         self.blocks.forget_prefix_cache()
 

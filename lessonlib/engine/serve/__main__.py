@@ -48,8 +48,6 @@ def features(chunked_prefill: bool | None, plain_pytorch: bool = False) -> Featu
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    import uvicorn
-
     from lessonlib.engine import LLM
     from lessonlib.engine.async_llm import AsyncLLM
     from lessonlib.engine.serve.app import build_app
@@ -61,7 +59,20 @@ def main(argv=None) -> None:
     engine = AsyncLLM(llm)
     app = build_app(engine, args.served_model_name or args.model)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level, timeout_graceful_shutdown=5)
+    server(engine, app, host=args.host, port=args.port, log_level=args.uvicorn_log_level).run()
+
+
+def server(engine, app, **config):
+    """A uvicorn server for ``app`` whose shutdown first aborts every request: each stream ends at once with an error
+    event and [DONE], instead of being cut when uvicorn's grace period (5 s) runs out."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            engine.abort_all("the server is shutting down")
+            await super().shutdown(sockets)
+
+    return Server(uvicorn.Config(app, timeout_graceful_shutdown=5, **config))
 
 
 if __name__ == "__main__":
