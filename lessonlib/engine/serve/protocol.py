@@ -11,7 +11,7 @@ engine's own checks (``SamplingParams``, ``engine/requests.py``): their ValueErr
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt
 
