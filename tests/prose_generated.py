@@ -4,6 +4,8 @@ the module's path in place of the notebook and no cell. A figure that code forma
 
 from __future__ import annotations
 
+import itertools
+
 from lessonlib import traffic
 from lessonlib.results import Impl, Op
 from tests.prose_figures import Given, Holds, Measured
@@ -99,6 +101,56 @@ def _paged_kv_heads() -> float:
     return heads.pop() if len(heads) == 1 else -1
 
 
+def _swiglu_chains() -> list[tuple]:
+    """(the chain's traffic model, its recorded µs, the copy of the same bytes' GB/s) for eager and the fused kernel,
+    at the shape of lesson 01's predict-then-measure case."""
+    from lessonlib.exercises import predictions
+
+    r = predictions.SWIGLU.recorded()
+    model = traffic.swiglu(r["tokens"], r["intermediate"], r["itemsize"])
+    return [(model.eager, r["eager_us"], r["copy_gbps"]), (model.fused, r["fused_us"], r["copy_gbps"])]
+
+
+def _swiglu_worst_model_error(rate_off: float = 0.05) -> float:
+    """The largest |measured / predicted - 1| of the swiglu item when the fused and the eager chain each run up to
+    ``rate_off`` away from the copy rate, either way (the model adds s's two trips at exactly the copy rate; the
+    error is monotonic in each rate, so the corners bound it)."""
+    from lessonlib.exercises import predictions
+
+    r = predictions.SWIGLU.recorded()
+    model = traffic.swiglu(r["tokens"], r["intermediate"], r["itemsize"])
+    worst = 0.0
+    for fused_off, eager_off in itertools.product((-rate_off, rate_off), repeat=2):
+        fused_us = model.fused.bytes / (r["copy_gbps"] * (1 + fused_off) * 1e3)
+        eager_us = model.eager.bytes / (r["copy_gbps"] * (1 + eager_off) * 1e3)
+        predicted = predictions.SWIGLU.predict(**dict(r, fused_us=fused_us, eager_us=eager_us))
+        worst = max(worst, abs(eager_us / fused_us / predicted - 1))
+    return worst
+
+
+def _same_forward_timings() -> list[float]:
+    """The µs of lesson 02's forward kernel (its default D=128 tiles, B=2, N=4096, not causal) wherever the
+    flash-attention run timed it: the plain forward, the variant check, the sweep's default point, the absorbed
+    scaling."""
+    from lessonlib import results
+
+    flash = results.load("flash-attention-h200")
+    default = results.sweep_label(flash.notes["default_configs"]["D=128"]["forward"])
+    return [r["us"] for r in flash.records if r["shape"].get("N") == 4096 and r["shape"].get("B") == 2
+            and r["shape"].get("D") == 128 and not r["shape"].get("causal") and not r["shape"].get("dropout_p")
+            and r["impl"] in (Impl.LESSONLIB, default)
+            and r["op"] in (Op.FORWARD, Op.FORWARD_VARIANT, Op.ABSORBED)]
+
+
+def _causal_forward_tflops() -> list[float]:
+    """TFLOP/s of the full and the causal forward the causal_speedup item compares (B=2, H=32, N=8192, D=128)."""
+    from lessonlib import results
+
+    flash = results.load("flash-attention-h200")
+    return [flash.one(op=Op.FORWARD, impl=Impl.LESSONLIB, B=2, H=32, N=8192, D=128, causal=c)["tflops"]
+            for c in (False, True)]
+
+
 # --- the claims table (lesson 05), lessons 03 and 05's plots -------------------------------------------------------
 
 CLAIM = "a source text's claim under test, or the course's reading of it: the table's verdict column decides it"
@@ -157,5 +209,23 @@ LREST += (
     Measured("lessonlib/exercises/predictions.py", "-", "(add_rms_norm: 50 µs)", "50 µs",
              lambda: _per_call_us("lessonlib.ops.add_rms_norm")),
     Given("lessonlib/exercises/predictions.py", "-", "about ±30% either way", "the checker's band (0.30)"),
+    Holds("lessonlib/exercises/predictions.py", "-", "at T=8192 each chain moves over 200 MB, within 5% of the copy rate",
+          lambda: all(k.bytes > 200e6 for chain, _, _ in _swiglu_chains() for k in chain.kernels)
+          and all(abs(chain.bytes / (us * 1e3) / copy - 1) <= 0.05 for chain, us, copy in _swiglu_chains()),
+          "every kernel of eager's chain and the fused one over 200 MB; each chain's own bytes over its recorded time "
+          "within 5% of the copy of the same bytes"),
+    Holds("lessonlib/exercises/predictions.py", "-", "5% either way moves eager's time over the fused time by at most "
+          "9% from the model", lambda: _swiglu_worst_model_error(0.05) <= 0.09,
+          "the item's model evaluated with each chain's rate 5% off the copy rate, either way: the worst error"),
+    Given("lessonlib/exercises/predictions.py", "-", "1 GB/s moves 1e3 bytes per µs",
+          "a unit conversion: 1 GB/s is 1e9 bytes per second, 1e3 bytes per µs"),
+    Given("lessonlib/exercises/predictions.py", "-", "half the work, ignoring the diagonal tiles, gives:",
+          "a mistake's name: the causal pass taken as half the full pass's tiles, the ratio 2 that the mistake computes"),
+    Holds("lessonlib/exercises/predictions.py", "-", "at N = 8192 the kernel is compute-bound (over 400 TFLOP/s)",
+          lambda: min(_causal_forward_tflops()) > 400, "the full and the causal forward's recorded TFLOP/s at N=8192"),
+    Measured("lessonlib/exercises/predictions.py", "-", "the same kernel timed several times in this run",
+             "several times", lambda: len(_same_forward_timings())),
+    Measured("lessonlib/exercises/predictions.py", "-", "spreads over about 5%", "about 5",
+             lambda: 100 * (max(_same_forward_timings()) / min(_same_forward_timings()) - 1)),
 )
 GENERATED = GENERATED + LREST
