@@ -155,10 +155,15 @@ class Course:
         if self._verified.get(str(path)) == key:
             return True
         try:
-            data = path.read_bytes()
-            code = compile(source.read_bytes(), str(source), "exec", dont_inherit=True,
-                           optimize=int(match.group(4) or 0))
-            good = data[:4] == importlib.util.MAGIC_NUMBER and marshal.loads(data[16:]) == code
+            data, text, info = path.read_bytes(), source.read_bytes(), source.stat()
+            flags = int.from_bytes(data[4:8], "little")
+            if flags == 0:  # checked by time and size: one that does not match is stale, and Python recompiles
+                stale = data[8:16] != ((int(info.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                                       + (info.st_size & 0xFFFFFFFF).to_bytes(4, "little"))
+            else:  # by hash: checked (flags 3) ones are recompiled when the hash differs; unchecked ones are not
+                stale = flags == 3 and data[8:16] != importlib.util.source_hash(text)
+            code = compile(text, str(source), "exec", dont_inherit=True, optimize=int(match.group(4) or 0))
+            good = data[:4] == importlib.util.MAGIC_NUMBER and (stale or marshal.loads(data[16:]) == code)
         except (OSError, ValueError, EOFError, TypeError, SyntaxError):
             good = False
         if good:
