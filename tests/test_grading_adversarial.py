@@ -254,7 +254,8 @@ def sandbox_mode() -> str:
 @pytest.fixture(scope="module")
 def attacked():
     mode = sandbox_mode()
-    base = Path(tempfile.mkdtemp(prefix="lessonlib-attacked-", dir="/tmp"))  # whatever TMPDIR says
+    # Under /tmp whatever TMPDIR says (LESSONLIB_TEST_ATTACK_DIR elsewhere: to see an older grader's row by row)
+    base = Path(tempfile.mkdtemp(prefix="lessonlib-attacked-", dir=os.environ.get("LESSONLIB_TEST_ATTACK_DIR", "/tmp")))
     yield run_attacks(base, mode)
     shutil.rmtree(base, ignore_errors=True)
 

@@ -109,7 +109,10 @@ def define_kernel(name: str, source: str):
 def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     request = json.loads(sys.stdin.read())
     timeout = float(request["cell_timeout"])
-    from lessonlib import exercises  # noqa: F401 - lessonlib's checkers, imported before anything else
+    from lessonlib import runtime
+
+    runtime.mode()  # the Triton mode (TRITON_INTERPRET on a CPU) chosen before triton.language is imported
+    from lessonlib import exercises
 
     from lessonlib.exercises._checking import ExerciseFailed
 
