@@ -37,6 +37,11 @@ from lessonlib.grading import wire
 IN_PROCESS = {"no_graph_break", "graph_safe_decode_step"}
 
 
+class CallTimeout(BaseException):
+    """A call or check past the grader's limit (a BaseException: a checker's ``except Exception`` does not catch
+    it, so the feedback says it timed out)."""
+
+
 class Remote:
     """The student's function as the judge sees it: each call is sent to the runner; the result and the arguments'
     new contents come back as plain data (a list, dict or tensor argument is updated in place)."""
@@ -53,14 +58,18 @@ class Remote:
         buffers: list[bytes] = []
         payload = wire.encode({"args": list(args), "kwargs": dict(kwargs)}, buffers)
         Remote.calls += 1
-        wire.send(self._fds[0], {"call": self.name, "id": Remote.calls, "payload": payload}, buffers)
         try:
+            wire.send(self._fds[0], {"call": self.name, "id": Remote.calls, "payload": payload}, buffers)
             header, buffers = wire.receive(self._fds[1], self._timeout)
             while header.get("id") != Remote.calls:  # a late answer to a call that timed out: not this one's
                 header, buffers = wire.receive(self._fds[1], self._timeout)
             reply = wire.decode(header.get("reply"), buffers)
-        except (wire.WireError, ValueError, KeyError) as e:
+        except wire.WireError as e:
+            if "in time" in str(e):
+                raise CallTimeout(f"{self.name} did not return within {self._timeout:g} s") from None
             raise ExerciseFailed(f"{self.name}: no usable answer from your code ({e})") from None
+        except (ValueError, KeyError, OSError) as e:
+            raise ExerciseFailed(f"{self.name}: no usable answer from your code ({type(e).__name__})") from None
         if type(reply) is not dict:
             raise ExerciseFailed(f"{self.name}: no usable answer from your code")
         if "raised" in reply:
@@ -94,6 +103,17 @@ def _update(old, new) -> None:
             old.copy_(new)
 
 
+def _runner_reached(reply_fd: int, index: int, timeout: float) -> bool:
+    """Wait until the runner has run the student's cells up to check ``index`` (it says so), within ``timeout``."""
+    try:
+        while True:
+            header, _ = wire.receive(reply_fd, timeout)
+            if header.get("ready") == index:
+                return True
+    except wire.WireError:
+        return False
+
+
 def define_kernel(name: str, source: str):
     """``source`` (validated) defined as a genuine ``triton.jit`` function in a namespace of its own."""
     import triton
@@ -117,15 +137,20 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     from lessonlib.exercises._checking import ExerciseFailed
 
     def alarm(signum, frame):
-        raise TimeoutError(f"the check ran past the grader's limit of {timeout:g} s")
+        raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
     for entry in request["checks"]:
         captured, status, ename, evalue = io.StringIO(), "ok", "", ""
+        remote = not entry.get("kernel") and not entry.get("refused")  # an answer the runner computes
+        reached = not remote or _runner_reached(reply_fd, entry["index"], float(request["wait_timeout"]))
         signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
         saved = sys.stdout
         sys.stdout = captured
         try:
+            if not reached:
+                raise ExerciseFailed("not graded: your code stopped before this check (it raised, exited or ran "
+                                     "past the time limit: see the notes)")
             if entry.get("refused"):
                 raise ExerciseFailed(entry["refused"])
             scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
@@ -135,11 +160,16 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
             exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
         except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
             status, ename, evalue = "error", type(e).__name__, str(e)
-            if ename == "TimeoutError":
+            if ename == "CallTimeout":
                 ename = "CellTimeout"
         finally:
             signal.setitimer(signal.ITIMER_REAL, 0)
             sys.stdout = saved
+        if remote and reached:
+            try:
+                wire.send(request_fd, {"done": entry["index"]})
+            except OSError:
+                pass
         line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
                            "ename": ename, "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
@@ -157,17 +187,36 @@ def run_runner(request_fd: int, reply_fd: int) -> None:
     sys.modules["__main__"] = main_module
     namespace = main_module.__dict__
     namespace["display"] = lambda *args, **kwargs: None
+    timeout = float(request["cell_timeout"])
+
+    def alarm(signum, frame):
+        raise CallTimeout(f"ran past the grader's limit of {timeout:g} s per cell")
+
     for index, cell in enumerate(request["cells"]):
+        if "check" in cell:  # the judge checks here: answer its calls until it is done
+            wire.send(reply_fd, {"ready": cell["check"]})
+            _serve(namespace, request_fd, reply_fd)
+            continue
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             name, source = _source(index, cell["source"], folder)
             exec(compile(source, name, "exec"), namespace)
         except BaseException:  # noqa: BLE001 - a student's cell may raise anything
             traceback.print_exc()
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+    os._exit(0)
+
+
+def _serve(namespace: dict, request_fd: int, reply_fd: int) -> None:
     while True:
         try:
             header, buffers = wire.receive(request_fd, 24 * 3600)
         except wire.WireError:
             os._exit(0)
+        if "done" in header:
+            return
         out: list[bytes] = []
         try:
             call = wire.decode(header["payload"], buffers)
@@ -227,8 +276,9 @@ def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_
 
     from lessonlib.grading import sandbox, scoring
 
-    runner_cells = [{"source": c["source"]} for c in scoring.apart(sources, checks, exercises_)
-                    if c["exercise"] is None and c["index"] > 0]
+    runner_cells = [{"source": c["source"]} if c["exercise"] is None else {"check": c["index"]}
+                    for c in scoring.apart(sources, checks, exercises_)
+                    if c["index"] > 0 and not (c["exercise"] is not None and is_kernel(checks[c["index"]]))]
     calls_read, calls_write = os.pipe()  # the judge's calls, to the runner
     replies_read, replies_write = os.pipe()  # the runner's answers, to the judge
     results_read, results_write = os.pipe()
@@ -236,9 +286,11 @@ def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_
     entry = "import sys; from lessonlib.grading.judge import main; main(sys.argv[1:])"
     processes = []
     for role, box, env, fds, sink, stdin in (
-            ("runner", runner_box, env_runner, (calls_read, replies_write), sinks[0], {"cells": runner_cells}),
+            ("runner", runner_box, env_runner, (calls_read, replies_write), sinks[0],
+             {"cells": runner_cells, "cell_timeout": cell_timeout}),
             ("judge", judge_box, env_judge, (calls_write, replies_read, results_write), sinks[1],
-             {"cell_timeout": cell_timeout, "checks": plan_checks(sources, checks, exercises_)})):
+             {"cell_timeout": cell_timeout, "wait_timeout": timeout,
+              "checks": plan_checks(sources, checks, exercises_)})):
         argv = sandbox.wrap(box, [sys.executable, "-c", entry, role, *map(str, fds)], env)
         process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
                                    env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
