@@ -92,7 +92,8 @@ KERNEL = "@triton.jit\ndef my_k(x_ptr, n, BLOCK: tl.constexpr):\n    offs = tl.a
 
 @pytest.mark.parametrize("body, why", [
     ("    import os", "Import"),
-    ("    torch.ones(1)", "torch is neither"),
+    ("    x = torch", "torch is neither"),
+    ("    torch.ones(1)", "ones is not"),
     ("    x = x_ptr.__class__", "__class__"),
     ("    f = lambda: 0", "Lambda"),
     ("    def inner():\n        pass", "FunctionDef"),
