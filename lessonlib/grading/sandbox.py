@@ -1,21 +1,22 @@
 """Where a submission's code runs: a sandbox around each process the grader starts for a notebook (its kernel, its
-scoring process), and the capped files their raw output goes to.
+runner, the judge), and the capped files their raw output goes to.
 
 Three ways, the first that works on this machine (``auto``), or the one ``--sandbox`` / ``LESSONLIB_GRADING_SANDBOX``
 names:
 
-- ``bwrap`` (bubblewrap, ``apt-get install bubblewrap``): the whole file system read-only, the submissions, ``--out``
-  and every scratch folder hidden, ``/tmp``, ``/dev/shm`` and the notebook's working folder size-capped tmpfs, the
-  kernel's socket folder the one host folder it can write; new user, PID, network, IPC and UTS namespaces; it dies with
-  the grader.
-- ``unshare`` (util-linux, unprivileged user namespaces): the same namespaces and mounts, set up by
-  :mod:`lessonlib.grading.sandbox_init` inside them, which then drops every capability and runs the command.
+- ``bwrap`` (bubblewrap, ``apt-get install bubblewrap``): an empty root with, read-only, only :func:`view`'s paths
+  (the system's programs and libraries, the Python environment, ``Box.readable``: the grader's pristine lessonlib),
+  bound after ``/tmp``'s tmpfs so that a course or a Python under ``/tmp`` is seen; ``/tmp``, ``/dev/shm`` and the
+  notebook's working folder size-capped tmpfs, the kernel's socket folder the one host folder it can write; new
+  user, PID, network, IPC and UTS namespaces; it dies with the grader.
+- ``unshare`` (util-linux, unprivileged user namespaces): the same namespaces and the same view, built on a new root
+  by :mod:`lessonlib.grading.sandbox_init` inside them, which then drops every capability and runs the command.
 
 In both, the command runs under ``sandbox_init.py watch``, the PID namespace's init: it reaps, and stops the whole
 sandbox (the notebook's kernel dies) once it holds more than ``processes`` processes: a fork bomb ends there.
 - ``none``: the process runs as the grader's user with an allowlisted environment, capped output and its process
-  group killed at the end; nothing stops it writing the grader's files or escaping its process group. The grader says
-  so once (``--require-sandbox`` refuses instead).
+  group killed at the end; nothing stops it writing the grader's files or escaping its process group. Only with
+  ``--unsafe-no-sandbox``: without it the grader refuses.
 
 Both also set ``RLIMIT_FSIZE`` (one file's size) and, where it holds, ``RLIMIT_NPROC`` (a fork fails past it): not for
 root, except where an unprivileged uid can run this Python and read the checkout; then the sandbox runs as a uid of
@@ -43,8 +44,7 @@ ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH", "CUDA
             "HF_HUB_OFFLINE")  # what a kernel needs from the grader's environment; nothing else
 RISK = ("the grader runs submissions UNSANDBOXED ({why}): a notebook can write any file the grader's user can "
         "(the checkout, grades.csv), start processes that outlive it and reach the network. Install bubblewrap "
-        "(apt-get install bubblewrap) or allow unprivileged user namespaces; --require-sandbox refuses to grade "
-        "without one.")
+        "(apt-get install bubblewrap) or allow unprivileged user namespaces.")
 
 
 class SandboxUnavailable(RuntimeError):
