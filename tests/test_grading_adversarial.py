@@ -307,7 +307,7 @@ def run_attacks(base: Path, mode: str) -> dict:
     started = time.monotonic()
     env = {**os.environ, "TMPDIR": str(base / "tmp"), "LESSONLIB_GRADING_SANDBOX": mode,
            "PYTHONPATH": str(checkout)}
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"  # so that any bytecode in the checkout afterwards is a submission's
     (base / "tmp").mkdir()
     result = subprocess.run([sys.executable, "-m", "lessonlib.grading", str(subs), "--out", str(out), "--course",
                              str(course), "--jobs", "2", "--cell-timeout", "120", "--output-cap", "100000",
@@ -372,12 +372,19 @@ def test_files_that_are_not_regular_are_refused_with_a_line(attacked):
     assert "it is a FIFO" in fifo and "it is a symbolic link" in link
 
 
+def printed(run, student: str) -> str:
+    """What the graded copy's cells printed (not their sources)."""
+    notebook = nbformat.read(run["out"] / "graded" / student / FUSION, as_version=4)
+    return "".join(o.get("text", "") + o.get("evalue", "") for c in notebook.cells for o in c.get("outputs", []))
+
+
 def test_host_files_and_sockets_are_out_of_reach(attacked):
     text = everything_written(attacked)
     assert SECRET not in text
     assert not attacked["received"], attacked["received"]
-    graded = (attacked["out"] / "graded" / "reads_solved" / FUSION).read_text()
+    graded = printed(attacked, "reads_solved")
     assert "SOLVED FROM HOST" not in graded and "NO HOST NOTEBOOK" in graded
+    assert "CONNECTED" not in printed(attacked, "socket") and "NO SOCKET" in printed(attacked, "socket")
     hostname = Path("/etc/hostname").read_text().strip() if Path("/etc/hostname").exists() else ""
     if len(hostname) >= 6:
         assert f"READ {hostname}" not in text
@@ -387,6 +394,8 @@ def test_the_course_and_grades_csv_are_unchanged_and_nothing_survives(attacked):
     changed = sorted(k for k in set(attacked["before"]) | set(attacked["after"])
                      if attacked["before"].get(k) != attacked["after"].get(k))
     assert not changed, changed
+    tamper = printed(attacked, "tamper")
+    assert "NO PYC" in tamper and "WROTE" not in tamper, tamper[-2000:]
     assert attacked["course_before"] == attacked["course_after"]
     assert (attacked["out"] / "grades.csv").read_bytes() == attacked["written"]
     assert not survivors("detached-forger-marker", str(attacked["base"] / "tmp"))
