@@ -196,6 +196,11 @@ def grade(submissions: Path, out: Path, course: Path = COURSE_NOTEBOOKS, limits:
             log(f"kept the scratch folders in {scratch_root}")
         else:
             shutil.rmtree(scratch_root, ignore_errors=True)
+    return _write_results(out, students, graded_names, columns, course_ex, reports, refused, log)
+
+
+def _write_results(out: Path, students, graded_names, columns, course_ex, reports, refused, log) -> Path:
+    """grades.csv (written whole, then renamed into place) and each student's feedback."""
     rows = []
     for student in students:
         listed = [reports.get((student, name)) or NotebookReport(name, [Outcome(e, 0.0, "not submitted")
