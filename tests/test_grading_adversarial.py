@@ -52,14 +52,19 @@ class _Fake:
 '''
 SPOOF = FAKE + '''
 import triton.runtime.jit as _jit
-_Fake.__class__ = property(lambda self: _jit.JITFunction)  # isinstance(kernel, JITFunction) is True
+class _Spoof(_Fake):
+    @property
+    def __class__(self):  # isinstance(kernel, JITFunction) is True
+        return _jit.JITFunction
+_Fake = _Spoof
 '''
 FAKES_BOUND = "\nmy_swiglu_kernel = _Fake('swiglu')\nmy_add_rms_norm_kernel = _Fake('rms')\n"
 # Patch lessonlib's launcher so that the stub kernels "write" the answer: the patch made to look like library code.
 EXEC_INTO = FAKE + '''
 import lessonlib.ops._common as _common
-exec("def launch(kernel, grid, *a, **k):\\n    _L(kernel.__name__).__call__(*a)\\n", _common.__dict__)
-_common.__dict__["_L"] = lambda name: _Launch("swiglu" if "swiglu" in name else "rms")
+_common.__dict__["_Launch"] = _Launch
+exec("def launch(kernel, grid, *a, **k):\\n    _Launch('swiglu' if 'swiglu' in kernel.__name__ else 'rms')(*a)\\n",
+     _common.__dict__)
 '''
 COMPILED_AS = FAKE + '''
 import lessonlib.ops._common as _common
