@@ -74,10 +74,10 @@ exec(compile("def launch(kernel, grid, *a, **k):\\n    _Launch('swiglu' if 'swig
 _common.launch = _ns["launch"]
 '''
 ISNAN = '''
-import torch, unittest.mock
-_isnan = torch.isnan
+import torch, unittest.mock  # a mock is a library's object: NaN outputs look written and finite
+_isnan, _isfinite = torch.isnan, torch.isfinite
 torch.isnan = unittest.mock.MagicMock(side_effect=lambda t: _isnan(t) & False)
-_close = torch.Tensor.__sub__
+torch.isfinite = unittest.mock.MagicMock(side_effect=lambda t: _isfinite(t) | True)
 '''
 STACK = '''
 import sys
