@@ -205,7 +205,8 @@ def view(box: Box) -> dict[str, tuple[str, str]]:
     Parents before children; a path inside one already bound is left out (it is seen through it)."""
     found: dict[str, tuple[str, str]] = {}
     init = str(Path(__file__).with_name("sandbox_init.py"))  # the sandbox's init, run from the grader's copy
-    for path in (*SYSTEM, *python_paths(), *map(str, box.readable), init):
+    gpu = ("/sys",) if list(Path("/dev").glob("nvidia*")) else ()  # the CUDA driver reads the devices' /sys entries
+    for path in (*SYSTEM, *gpu, *python_paths(), *map(str, box.readable), init):
         _entries(path, found)
     if box.passwd is not None:
         found["/etc/passwd"] = ("ro", str(box.passwd))
