@@ -49,6 +49,8 @@ relink:
 	$(BIN)/python tools/course_links.py $(if $(REPO),--repo "$(REPO)")
 
 # Grade a folder of submissions (one folder per student): grades.csv, feedback/ and graded/ in SUBMISSIONS-graded.
+# Each notebook runs sandboxed (bubblewrap, else unshare); where neither starts the grader refuses unless
+# GRADE_OPTIONS=--unsafe-no-sandbox. The course must be as released (its git commit; see README's instructor section).
 # More options (time limits, --jobs, --out): $(BIN)/python -m lessonlib.grading --help
 grade:
 	@test -n "$(SUBMISSIONS)" || { echo "usage: make grade SUBMISSIONS=folder"; exit 2; }

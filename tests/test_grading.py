@@ -276,7 +276,7 @@ def test_grades_csv_says_exactly_what_was_expected(trimmed_run):
         ["instructor", "1", "2", "3"],
         ["missing_cells", "0", "2", "2"],
         ["patched_lessonlib", "1", "0", "1"],
-        ["patched_torch", "1", "0", "1"],
+        ["patched_torch", "1", "2", "3"],
         ["raises_and_writes", "1", "2", "3"],
         ["redefined_check", "1", "0", "1"],
         ["truncated", "0", "0", "0"],
@@ -297,16 +297,14 @@ def test_feedback_quotes_each_checker(trimmed_run):
     assert "did not raise ValueError" in feedback(out, "wrong_free_sequence")
 
 
-def test_tampering_is_named_in_the_feedback(trimmed_run):
+def test_tampering_reaches_only_the_submissions_own_runner(trimmed_run):
+    """The checks run in the judge, apart from the student's code: an edited or redefined checker, a patched
+    lessonlib, a fake module change nothing there (the stub is graded as a stub), and a right answer stays right
+    however the runner's torch was patched."""
     out = trimmed_run[0]
-    assert "not implemented yet" in feedback(out, "edited_checker")  # the pristine checker ran on the stub
-    assert "check_free_sequence was redefined in the notebook" in (
-        out / "graded" / "redefined_check" / PAGED).read_text()
-    for student, replaced in [("patched_lessonlib", "lessonlib.exercises.check_free_sequence"),
-                              ("patched_torch", "torch.allclose"),
-                              ("fake_module", "sys.modules['lessonlib.exercises']")]:
-        text = feedback(out, student)
-        assert "the notebook replaced what the checks rely on" in text and replaced in text, text
+    for student in ("edited_checker", "redefined_check", "patched_lessonlib", "fake_module"):
+        assert "free_sequence: 0/2  free_sequence: not implemented yet" in feedback(out, student), student
+    assert "free_sequence: 2/2  free_sequence: correct on 20 pools" in feedback(out, "patched_torch")
 
 
 def test_misbehaving_notebooks_are_graded_for_what_ran(trimmed_run):

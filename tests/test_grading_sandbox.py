@@ -103,8 +103,15 @@ def rows(csv_path: Path) -> dict[str, list[str]]:
         return {row[0]: row[1:] for row in csv.reader(f)}
 
 
-needs_bwrap = pytest.mark.skipif(sandbox.choose("auto")[0] != "bwrap",
-                                 reason="bubblewrap is not installed or cannot make namespaces here (make setup)")
+needs_bwrap = pytest.mark.skipif(shutil.which("bwrap") is None, reason="bubblewrap is not installed (make setup)")
+
+
+def test_where_bubblewrap_is_installed_the_sandbox_starts():
+    """CI fails, not skips, when the machine has bubblewrap and the grader's sandbox cannot start there."""
+    if shutil.which("bwrap") is None:
+        pytest.skip("bubblewrap is not installed (make setup)")
+    mode, why = sandbox.choose("auto")
+    assert mode == "bwrap", why
 
 
 @pytest.fixture(scope="module")
@@ -165,7 +172,7 @@ def adversarial(tmp_path_factory):
             "except OSError as e:\n"
             "    print('FULL', type(e).__name__)\n"
             "print('FILLED', written)\n")),
-        "replaces_helper": in_solution(instructor, first, (  # solved, but the grader's tamper check disabled
+        "replaces_helper": in_solution(instructor, first, (  # solved; the helper it replaces is not in its process
             "import sys\n"
             "grader = sys.modules.get('_lessonlib_grading')\n"
             "if grader is not None:\n"
@@ -214,7 +221,7 @@ def test_each_misbehaving_submission_gets_nothing_and_the_honest_ones_keep_their
     most = got.pop("student")
     full = [str(e.points).removesuffix(".0") for e in grading.course_exercises(NOTEBOOKS)[FUSION]]
     assert len(most) == len(full) + 1
-    for student in ("honest", "fills_disk", "duplicate"):
+    for student in ("honest", "fills_disk", "duplicate", "replaces_helper"):
         assert got.pop(student)[:-1] == full, student
     for student, grades in got.items():  # every other submission is the untouched stubs plus its trick
         assert set(grades) == {"0"}, (student, grades)
@@ -269,7 +276,6 @@ def test_tampering_with_ipython_or_the_grader_is_named(adversarial):
     transformer = feedback(adversarial, "transformer")
     assert "did not run as written in the kernel (an IPython input transformer" in transformer
     assert "not implemented yet" in transformer
-    assert "the notebook replaced the grader's own changes" in feedback(adversarial, "replaces_helper")
     duplicate = feedback(adversarial, "duplicate")
     assert f"graded '{FUSION}'; not graded: '{FUSION.replace('.ipynb', ' (1).ipynb')}'" in duplicate
 
@@ -312,17 +318,16 @@ def test_the_unshare_sandbox(tmp_path):
     assert not (tmp_path / "outside.txt").exists()  # it went to the sandbox's own /tmp
 
 
-def test_without_a_sandbox_the_grader_warns_and_can_refuse(tmp_path):
-    """The fallback: a warning, the grades as sandboxed, the environment still allowlisted; and the hole it warns
-    of (a write outside goes through)."""
+def test_without_a_sandbox_the_grader_refuses_unless_told_and_then_warns(tmp_path):
+    """No sandbox, no grades, unless the instructor says --unsafe-no-sandbox: then a warning, the grades as
+    sandboxed, the environment still allowlisted; and the hole it warns of (a write outside goes through)."""
     course, subs = paged_pair(tmp_path, "import os\nprint('SECRET', os.environ.get('LESSONLIB_TEST_SECRET'))\n"
                               + write_to(repr(str(tmp_path / "outside.txt"))))
-    refused = grade_cli(subs, tmp_path / "refused", tmp_path / "tmp", "--course", str(course), "--require-sandbox",
-                        sandbox_mode="none")
-    assert refused.returncode == 3 and b"--require-sandbox" in refused.stderr
+    refused = grade_cli(subs, tmp_path / "refused", tmp_path / "tmp", "--course", str(course), sandbox_mode="none")
+    assert refused.returncode == 3 and b"--unsafe-no-sandbox" in refused.stderr
     assert not (tmp_path / "refused" / "grades.csv").exists()
     result = grade_cli(subs, tmp_path / "out", tmp_path / "tmp", "--course", str(course), "--jobs", "2",
-                       sandbox_mode="none")
+                       "--unsafe-no-sandbox", sandbox_mode="none")
     assert result.returncode == 0, result.stderr.decode()[-3000:]
     assert b"UNSANDBOXED" in result.stdout and b"in sandbox none" in result.stdout
     assert rows(tmp_path / "out" / "grades.csv")["honest"] == ["1", "2", "3"]
@@ -332,18 +337,23 @@ def test_without_a_sandbox_the_grader_warns_and_can_refuse(tmp_path):
     assert (tmp_path / "outside.txt").exists()
 
 
-def test_a_changed_course_file_stops_the_grading(tmp_path):
-    """Unsandboxed, a notebook can write the instructor notebooks: the grader sees it after that notebook, names it
-    and writes no grades.csv."""
+def test_a_changed_course_file_is_put_back_and_its_notebook_flagged(tmp_path):
+    """Unsandboxed, a notebook can write the instructor notebooks: the grader sees it after that notebook, puts the
+    file back, gives that notebook 0 with a flag, and grades the rest of the class (one notebook at a time)."""
     course, subs = paged_pair(tmp_path, "pass\n")
     shutil.rmtree(subs / "writer")
     (subs / "vandal").mkdir()
+    original = (course / PAGED).read_bytes()
     nbformat.write(with_cell(nbformat.read(course / PAGED, as_version=4),
                              f"open({str(course / PAGED)!r}, 'a').write(' ')\n"), subs / "vandal" / PAGED)
-    result = grade_cli(subs, tmp_path / "out", tmp_path / "tmp", "--course", str(course), sandbox_mode="none")
-    assert result.returncode == 3, result.stderr.decode()[-3000:]
-    assert b"course files changed while grading vandal/" in result.stderr
-    assert not (tmp_path / "out" / "grades.csv").exists()
+    result = grade_cli(subs, tmp_path / "out", tmp_path / "tmp", "--course", str(course), "--unsafe-no-sandbox",
+                       sandbox_mode="none")
+    assert result.returncode == 0, result.stderr.decode()[-3000:]
+    assert b"the course changed while grading vandal/" in result.stdout
+    assert rows(tmp_path / "out" / "grades.csv") == {"student": ["physical_slot", "free_sequence", "total"],
+                                                      "honest": ["1", "2", "3"], "vandal": ["0", "0", "0"]}
+    assert "FLAGGED" in (tmp_path / "out" / "feedback" / "vandal.txt").read_text()
+    assert (course / PAGED).read_bytes() == original
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the sandbox runs as a uid of its own only when the grader is root")

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import json
 import os
 import re
 import secrets
-import site
+import stat
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from lessonlib.grading import sandbox, scoring
+from lessonlib.grading import judge, sandbox, scoring
 from lessonlib.grading.exercise_format import Exercise, _nbgrader
 from lessonlib.grading.kernel_side import PRELUDE, checker_cell
 
@@ -50,6 +51,30 @@ class NotebookReport:
     outcomes: list[Outcome]
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+
+
+MAX_NOTEBOOK_BYTES = 64 << 20  # a submitted notebook larger than this is not read
+
+
+def read_regular(path: Path, cap: int) -> bytes:
+    """A submitted file's bytes, only if it is a regular file (not a symbolic link, FIFO or device: opened without
+    following links and without blocking, checked with fstat) of at most ``cap`` bytes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("not a regular file")
+        if info.st_size > cap:
+            raise ValueError(f"larger than {cap:,} bytes")
+        chunks, size = [], 0
+        while size <= cap and (chunk := os.read(fd, 1 << 20)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > cap:
+            raise ValueError(f"larger than {cap:,} bytes")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _checker_call(exercises_: list[Exercise]) -> re.Pattern:
@@ -134,11 +159,10 @@ def _kernel_manager(box: sandbox.Box, **kwargs):
 
 def _environment(box: sandbox.Box) -> dict[str, str]:
     """The kernel's and the scoring process's environment: allowlisted, lessonlib's scratch in the working folder,
-    the checkout first on the path."""
+    the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added to the path."""
     return sandbox.environment(box, {
         "LESSONLIB_SCRATCH": str(box.work / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(box.work),
-        "PYTHONUSERBASE": site.getuserbase(),
-        "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)})
+        "PYTHONPATH": str(box.readable[0]) if box.readable else str(ROOT)})
 
 
 def _capped_client(notebook, km, workdir: Path, limits: Limits):
@@ -149,12 +173,13 @@ def _capped_client(notebook, km, workdir: Path, limits: Limits):
     class CappedClient(NotebookClient):
         def output(self, outs, msg, display_id, cell_index):
             content = msg["content"]
-            size = len(content.get("text", "")) + sum(len(str(v)) for v in content.get("data", {}).values())
+            if msg["msg_type"] == "error":  # kept, each part shortened: a name, a message, the last frames
+                content.update(ename=str(content.get("ename", ""))[:100], evalue=str(content.get("evalue", ""))[:4000],
+                               traceback=[str(line)[:4000] for line in list(content.get("traceback", []))[-20:]])
+            # Everything the message carries counts: text, every MIME bundle, the display metadata, the names.
+            size = len(json.dumps(content, default=str))
             kept = self._kept.get(cell_index, 0)
-            if msg["msg_type"] == "error":
-                content["evalue"] = content.get("evalue", "")[:4000]
-                content["traceback"] = [line[:4000] for line in content.get("traceback", [])[-20:]]
-            elif kept + size > limits.output_cap:
+            if kept + size > limits.output_cap and msg["msg_type"] != "error" or size > limits.output_cap:
                 if kept <= limits.output_cap:
                     self._kept[cell_index] = limits.output_cap + 1
                     outs.append(nbformat.v4.new_output("stream", name="stderr", text=(
@@ -263,11 +288,11 @@ def _checker_message(result: tuple | None, limits: Limits) -> str:
     status, stdout, ename, evalue = result
     if ename == "CellTimeout":
         return f"the check did not finish within the grader's limit of {limits.cell_timeout:g} s per cell"
-    if status != "ok":
-        first = evalue.strip().splitlines()[0] if evalue.strip() else ""
-        return first if ename in ("ExerciseFailed", "GradingRefused") else f"{ename}: {first}"
+    if status != "ok":  # a submission's text, shortened: it saw nothing of the host's to put there
+        first = evalue.strip().splitlines()[0][:300] if evalue.strip() else ""
+        return first if ename in ("ExerciseFailed", "GradingRefused") else f"{ename[:100]}: {first}"
     lines = [line for line in stdout.splitlines() if line.strip() and not line.startswith("(note:")]
-    return lines[-1].strip() if lines else "passed"
+    return lines[-1].strip()[:300] if lines else "passed"
 
 
 def _marker(exercise: Exercise, token: str) -> str:
@@ -291,9 +316,9 @@ def _graded_check(cell, exercise: Exercise, result: tuple | None) -> None:
 
 def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], scratch: Path, limits: Limits,
                    graded_copy: Path | None = None, mode: str = "none", slot: int = 0,
-                   hidden: tuple[Path, ...] = ()) -> NotebookReport:
+                   pristine: Path | None = None) -> NotebookReport:
     """Grade one submitted notebook against the instructor's exercises (see the module docstring): its kernel (in a
-    sandbox of ``mode``, seeing none of ``hidden``) runs the cells for the feedback and the graded copy, while a
+    sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the feedback and the graded copy, while a
     scoring process in its own sandbox runs the pristine checks; a check's points need both to have reached it."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -301,7 +326,7 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
     outcomes = {e.checker_id: Outcome(e) for e in exercises_}
     report = NotebookReport(path.name, list(outcomes.values()))
     try:
-        submission = nbformat.reads(path.read_text(encoding="utf-8", errors="replace"), as_version=4)
+        submission = nbformat.reads(read_regular(path, MAX_NOTEBOOK_BYTES).decode("utf-8", "replace"), as_version=4)
     except Exception as e:  # truncated, not JSON, not a notebook
         for outcome in outcomes.values():
             outcome.message = "not graded: the file is not a valid notebook"
@@ -309,8 +334,8 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
         return report
     sources, checks, notes = plan(submission, exercises_)
     report.notes += notes
-    box = sandbox.Box(mode, scratch / "s", scratch / "w", hidden, limits.work_bytes, limits.processes,
-                      limits.file_bytes, slot)
+    box = sandbox.Box(mode, scratch / "s", scratch / "w", (), limits.work_bytes, limits.processes,
+                      limits.file_bytes, slot, readable=(pristine,) if pristine else (), passwd=scratch / "passwd")
     sandbox.prepare(box)
     logs = (graded_copy.parent if graded_copy else scratch) / Path(pristine_name).stem
     token = secrets.token_hex(8)
@@ -318,8 +343,16 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
         _marker(checks[i], token) if i in checks else source for i, source in enumerate(sources) if i]
     logs.parent.mkdir(parents=True, exist_ok=True)
     with ThreadPoolExecutor(max_workers=1) as pool:
-        scored = pool.submit(scoring.score, scoring.apart(sources, checks, exercises_), box, _environment(box),
-                             limits.notebook_timeout, limits.cell_timeout, logs.with_name(logs.name + ".scoring.txt"))
+        if any(e.name in judge.IN_PROCESS for e in checks.values()):  # checks that need the function in-process
+            scored = pool.submit(scoring.score, scoring.apart(sources, checks, exercises_), box, _environment(box),
+                                 limits.notebook_timeout, limits.cell_timeout,
+                                 logs.with_name(logs.name + ".scoring.txt"))
+        else:  # the judge, apart from the submission's runner
+            judge_box = dataclasses.replace(box, writable=scratch / "js", work=scratch / "jw", slot=box.slot)
+            sandbox.prepare(judge_box)
+            scored = pool.submit(judge.score, sources, checks, exercises_, box, judge_box, _environment(box),
+                                 _environment(judge_box), limits.notebook_timeout, limits.cell_timeout,
+                                 (logs.with_name(logs.name + ".runner.txt"), logs.with_name(logs.name + ".judge.txt")))
         executed, status, notes = _run_cells(kernel_sources, box, limits, logs.with_name(logs.name + ".kernel.txt"))
         results, score_notes = scored.result()
     report.notes += notes + score_notes

@@ -1,21 +1,22 @@
 """Where a submission's code runs: a sandbox around each process the grader starts for a notebook (its kernel, its
-scoring process), and the capped files their raw output goes to.
+runner, the judge), and the capped files their raw output goes to.
 
 Three ways, the first that works on this machine (``auto``), or the one ``--sandbox`` / ``LESSONLIB_GRADING_SANDBOX``
 names:
 
-- ``bwrap`` (bubblewrap, ``apt-get install bubblewrap``): the whole file system read-only, the submissions, ``--out``
-  and every scratch folder hidden, ``/tmp``, ``/dev/shm`` and the notebook's working folder size-capped tmpfs, the
-  kernel's socket folder the one host folder it can write; new user, PID, network, IPC and UTS namespaces; it dies with
-  the grader.
-- ``unshare`` (util-linux, unprivileged user namespaces): the same namespaces and mounts, set up by
-  :mod:`lessonlib.grading.sandbox_init` inside them, which then drops every capability and runs the command.
+- ``bwrap`` (bubblewrap, ``apt-get install bubblewrap``): an empty root with, read-only, only :func:`view`'s paths
+  (the system's programs and libraries, the Python environment, ``Box.readable``: the grader's pristine lessonlib),
+  bound after ``/tmp``'s tmpfs so that a course or a Python under ``/tmp`` is seen; ``/tmp``, ``/dev/shm`` and the
+  notebook's working folder size-capped tmpfs, the kernel's socket folder the one host folder it can write; new
+  user, PID, network, IPC and UTS namespaces; it dies with the grader.
+- ``unshare`` (util-linux, unprivileged user namespaces): the same namespaces and the same view, built on a new root
+  by :mod:`lessonlib.grading.sandbox_init` inside them, which then drops every capability and runs the command.
 
 In both, the command runs under ``sandbox_init.py watch``, the PID namespace's init: it reaps, and stops the whole
 sandbox (the notebook's kernel dies) once it holds more than ``processes`` processes: a fork bomb ends there.
 - ``none``: the process runs as the grader's user with an allowlisted environment, capped output and its process
-  group killed at the end; nothing stops it writing the grader's files or escaping its process group. The grader says
-  so once (``--require-sandbox`` refuses instead).
+  group killed at the end; nothing stops it writing the grader's files or escaping its process group. Only with
+  ``--unsafe-no-sandbox``: without it the grader refuses.
 
 Both also set ``RLIMIT_FSIZE`` (one file's size) and, where it holds, ``RLIMIT_NPROC`` (a fork fails past it): not for
 root, except where an unprivileged uid can run this Python and read the checkout; then the sandbox runs as a uid of
@@ -25,6 +26,7 @@ its own (``SANDBOX_UID`` + the job's slot).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import shutil
 import subprocess
@@ -42,8 +44,7 @@ ENV_KEPT = ("PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "LD_LIBRARY_PATH", "CUDA
             "HF_HUB_OFFLINE")  # what a kernel needs from the grader's environment; nothing else
 RISK = ("the grader runs submissions UNSANDBOXED ({why}): a notebook can write any file the grader's user can "
         "(the checkout, grades.csv), start processes that outlive it and reach the network. Install bubblewrap "
-        "(apt-get install bubblewrap) or allow unprivileged user namespaces; --require-sandbox refuses to grade "
-        "without one.")
+        "(apt-get install bubblewrap) or allow unprivileged user namespaces.")
 
 
 class SandboxUnavailable(RuntimeError):
@@ -64,6 +65,8 @@ class Box:
     processes: int
     file_bytes: int
     slot: int = 0
+    readable: tuple[Path, ...] = ()  # host folders it sees read-only (the released lessonlib), besides view()'s
+    passwd: Path | None = None  # its /etc/passwd (its own uids only; written by prepare())
 
 
 def _probe(argv: list[str]) -> str | None:
@@ -89,7 +92,8 @@ def choose(mode: str = "auto") -> tuple[str, str]:
             continue
         with tempfile.TemporaryDirectory(prefix="lessonlib-sandbox-probe-") as folder:
             os.chmod(folder, 0o755)
-            box = Box(candidate, Path(folder) / "sockets", Path(folder) / "work", (), 1 << 20, 4096, 1 << 20)
+            box = Box(candidate, Path(folder) / "sockets", Path(folder) / "work", (), 1 << 20, 4096, 1 << 20,
+                      passwd=Path(folder) / "passwd")
             prepare(box)
             error = _probe(wrap(box, [sys.executable, "-c", "pass"], environment(box, {})))
         if error is None:
@@ -158,8 +162,59 @@ def environment(box: Box, extra: dict[str, str]) -> dict[str, str]:
     the grader's."""
     home, tmp = box.work / "home", box.work / "tmp"
     env = {k: os.environ[k] for k in ENV_KEPT if k in os.environ}
+    # No bytecode written anywhere (the mounts are read-only too): a .pyc is how code would outlive its process.
     return {**env, "HOME": str(home), "TMPDIR": str(tmp), "XDG_CACHE_HOME": str(home / ".cache"),
-            "MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", **extra}
+            "MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1", "USER": "student",
+            "LOGNAME": "student", **extra}
+
+
+# What a sandbox sees of the host's system folders: its programs and libraries (the loader's cache, not the rest of
+# /etc). The Python environment and the course's lessonlib come from :func:`python_paths` and ``Box.readable``.
+SYSTEM = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc/ld.so.cache", "/etc/ld.so.conf",
+          "/etc/ld.so.conf.d", "/etc/alternatives")
+
+
+def python_paths() -> list[str]:
+    """The Python environment the grader runs: the venv (as named and as resolved) and its base interpreter."""
+    found = [sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, os.path.dirname(sys.executable)]
+    return list(dict.fromkeys(p for p in found + [os.path.realpath(p) for p in found] if p))
+
+
+def _under(path, folder) -> bool:
+    path, folder = str(path).rstrip("/") or "/", str(folder).rstrip("/") or "/"
+    return path == folder or path.startswith(folder + "/") or folder == "/"
+
+
+def _entries(path: str, found: dict, depth: int = 0) -> None:
+    """``path`` as the sandbox must see it: each symbolic link on the way reproduced, the real folder bound."""
+    path = os.path.normpath(os.path.abspath(path))
+    parts = path.split("/")[1:]
+    for i in range(1, len(parts) + 1):
+        prefix = "/" + "/".join(parts[:i])
+        if depth < 16 and os.path.islink(prefix):
+            target = os.readlink(prefix)
+            found.setdefault(prefix, ("link", target))
+            _entries(os.path.join(os.path.dirname(prefix), target, *parts[i:]), found, depth + 1)
+            return
+    if os.path.exists(path):
+        found.setdefault(path, ("ro", path))
+
+
+def view(box: Box) -> dict[str, tuple[str, str]]:
+    """{path in the sandbox: ("ro", host path) or ("link", target)}: everything it sees of the host, read-only.
+    Parents before children; a path inside one already bound is left out (it is seen through it)."""
+    found: dict[str, tuple[str, str]] = {}
+    init = str(Path(__file__).with_name("sandbox_init.py"))  # the sandbox's init, run from the grader's copy
+    gpu = ("/sys",) if list(Path("/dev").glob("nvidia*")) else ()  # the CUDA driver reads the devices' /sys entries
+    for path in (*SYSTEM, *gpu, *python_paths(), *map(str, box.readable), init):
+        _entries(path, found)
+    if box.passwd is not None:
+        found["/etc/passwd"] = ("ro", str(box.passwd))
+    kept: dict[str, tuple[str, str]] = {}
+    for point in sorted(found, key=lambda p: (p.count("/"), p)):
+        if not any(kind == "ro" and _under(point, other) and point != other for other, (kind, _) in kept.items()):
+            kept[point] = found[point]
+    return kept
 
 
 def wrap(box: Box, argv: list[str], env: dict[str, str]) -> list[str]:
@@ -168,33 +223,43 @@ def wrap(box: Box, argv: list[str], env: dict[str, str]) -> list[str]:
     if box.mode == "none":
         return list(argv)
     if box.mode == "unshare":
-        spec = [str(box.writable), str(box.work), str(box.work_bytes), *map(str, box.hidden)]
+        devices = [str(d) for d in sorted(Path("/dev").glob("nvidia*")) + [Path("/dev/dri")] if d.exists()]
+        spec = [json.dumps({"root": str(box.work.parent / "root"), "bytes": box.work_bytes, "view": view(box),
+                            "writable": str(box.writable), "work": str(box.work), "devices": devices})]
         return [*_as_sandbox_user(box.slot), *_limits(box), "unshare", "--user", "--map-root-user", "--mount",
                 "--pid", "--net", "--ipc", "--uts", "--fork", "--kill-child", "--",
                 sys.executable, "-I", "-S", str(Path(__file__).with_name("sandbox_init.py")), "mount", *spec, "--",
                 *(f"{k}={v}" for k, v in env.items()), "--", *_watch(box), *argv]
-    args = ["bwrap", "--die-with-parent", "--unshare-all", "--as-pid-1", "--ro-bind", "/", "/", "--dev", "/dev",
-            "--proc", "/proc", "--size", str(box.work_bytes), "--tmpfs", "/tmp",
-            "--size", str(box.work_bytes), "--tmpfs", "/dev/shm"]
+    args = ["bwrap", "--die-with-parent", "--unshare-all", "--as-pid-1", "--dev", "/dev", "--proc", "/proc",
+            "--size", str(box.work_bytes), "--tmpfs", "/tmp", "--size", str(box.work_bytes), "--tmpfs", "/dev/shm"]
+    # Then the read-only view (after /tmp's tmpfs, so that a course or a Python under /tmp is seen): the system's
+    # libraries, the Python environment, the course's released lessonlib; nothing else of the host.
+    for point, (kind, source) in view(box).items():
+        args += ["--symlink", source, point] if kind == "link" else ["--ro-bind", source, point]
     for device in sorted(Path("/dev").glob("nvidia*")) + [Path("/dev/dri")]:  # the GPU, where there is one
         if device.exists():
             args += ["--dev-bind", str(device), str(device)]
     for folder in box.hidden:
-        args += ["--tmpfs", str(folder)]
+        if any(_under(folder, p) for p in box.readable):
+            args += ["--tmpfs", str(folder)]
     args += ["--bind", str(box.writable), str(box.writable),
              "--size", str(box.work_bytes), "--tmpfs", str(box.work),
              "--dir", str(box.work / "home"), "--dir", str(box.work / "tmp"), "--chdir", str(box.work),
-             "--cap-drop", "ALL", "--clearenv"]
+             "--remount-ro", "/", "--cap-drop", "ALL", "--clearenv"]
     for key, value in env.items():
         args += ["--setenv", key, value]
     return [*_as_sandbox_user(box.slot), *_limits(box), *args, "--", *_watch(box), *argv]
 
 
 def prepare(box: Box) -> None:
-    """Make the folders the sandbox binds, owned by the uid the sandboxed process runs as."""
-    for folder in (box.writable, box.work, box.work / "home", box.work / "tmp"):
+    """Make the folders the sandbox binds, owned by the uid the sandboxed process runs as, and its /etc/passwd
+    (Python's getpass and some libraries look their uid up there; the host's own names stay unseen)."""
+    for folder in (box.writable, box.work, box.work / "home", box.work / "tmp", box.work.parent / "root"):
         folder.mkdir(parents=True, exist_ok=True)
         hand_over(box, folder)
+    if box.passwd is not None:
+        uid = os.getuid() if not _as_sandbox_user(box.slot) else SANDBOX_UID + box.slot
+        box.passwd.write_text(f"root:x:0:0::/:/bin/false\nstudent:x:{uid}:{uid}::{box.work / 'home'}:/bin/false\n")
 
 
 def hand_over(box: Box, path: Path) -> None:

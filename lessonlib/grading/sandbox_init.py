@@ -1,18 +1,21 @@
 """The ``unshare`` sandbox's set-up, run as root of a new user, mount and PID namespace (see
 :mod:`lessonlib.grading.sandbox`); standard library only (it runs as ``python -I -S``)::
 
-    sandbox_init.py mount WRITABLE WORK WORK_BYTES [HIDDEN ...] -- KEY=VALUE ... -- COMMAND ...
+    sandbox_init.py mount SPEC_JSON -- KEY=VALUE ... -- COMMAND ...
     sandbox_init.py watch PROCESSES -- COMMAND ...
 
-``mount`` mounts a fresh /proc, tmpfs on /tmp, /dev/shm, ``WORK`` and each ``HIDDEN`` folder, keeps ``WRITABLE`` (the socket
-folder) writable, makes every other mount read-only, then runs ``COMMAND`` with exactly that environment and no
-capability left (a process without them cannot undo a mount). Any mount that fails stops it: no half-built sandbox.
+``mount`` builds a new root on an empty tmpfs: a fresh /proc, tmpfs on /tmp, /dev/shm and the working folder, the
+socket folder writable, the few device files a Python needs, and read-only binds of exactly the paths of
+``sandbox.view`` (the system's libraries, the Python environment, the released lessonlib); it changes root into it and
+runs ``COMMAND`` with exactly that environment and no capability left (a process without them cannot undo a mount).
+Any mount that fails stops it: no half-built sandbox.
 
 ``watch`` is the PID namespace's init (both sandboxes): it runs ``COMMAND``, reaps every orphan, and kills every
 process of the namespace once there are more than ``PROCESSES`` (a fork bomb); it exits with ``COMMAND``'s status,
 and the namespace's other processes die with it.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -20,22 +23,10 @@ import sys
 import time
 
 
-def mount(*args: str, keep_fd: int | None = None) -> None:
-    result = subprocess.run(["mount", *args], capture_output=True, text=True, pass_fds=() if keep_fd is None
-                            else (keep_fd,))
+def mount(*args: str) -> None:
+    result = subprocess.run(["mount", *args], capture_output=True, text=True)
     if result.returncode != 0:
         sys.exit(f"lessonlib.grading sandbox: mount {' '.join(args)} failed: {result.stderr.strip()}")
-
-
-def mounts() -> list[tuple[str, str]]:
-    """(mount point, its per-mount options) of every mount, from /proc/self/mountinfo (octal escapes undone)."""
-    found = []
-    with open("/proc/self/mountinfo") as f:
-        for line in f:
-            fields = line.split()
-            point = fields[4].encode().decode("unicode_escape")
-            found.append((point, fields[5]))
-    return found
 
 
 def watch(argv: list[str]) -> None:
@@ -63,31 +54,46 @@ def watch(argv: list[str]) -> None:
 
 def mount_and_run(argv: list[str]) -> None:
     split = argv.index("--")
-    writable, work, work_bytes, *hidden = argv[:split]
+    spec = json.loads(argv[0])
     rest = argv[split + 1:]
     split = rest.index("--")
     env = dict(item.split("=", 1) for item in rest[:split])
     command = rest[split + 1:]
-    sockets = os.open(writable, os.O_PATH | os.O_DIRECTORY)  # still reachable once the folders above it are hidden
+    root, size = spec["root"], spec["bytes"]
+
+    def inside(point):
+        return os.path.join(root, point.lstrip("/"))
+
     mount("--make-rprivate", "/")
-    mount("-t", "proc", "proc", "/proc")
-    for folder in (*hidden, "/tmp", "/dev/shm"):
-        if os.path.isdir(folder):  # (one that is gone is inside a folder already hidden)
-            mount("-t", "tmpfs", "-o", f"size={work_bytes},mode=1777", "tmpfs", folder)
-    os.makedirs(writable, exist_ok=True)
-    mount("--no-canonicalize", "--bind", f"/proc/self/fd/{sockets}", writable, keep_fd=sockets)
-    os.close(sockets)
-    os.makedirs(work, exist_ok=True)
-    mount("-t", "tmpfs", "-o", f"size={work_bytes},mode=755", "tmpfs", work)
-    for sub in ("home", "tmp"):
-        os.makedirs(os.path.join(work, sub), exist_ok=True)
-    keep = (writable, work, "/tmp", "/dev/shm", "/proc")  # ours: fresh, and what lies under them is out of sight
-    for point, options in mounts():
-        if any(point == k or point.startswith(k.rstrip("/") + "/") for k in keep) or options.split(",")[0] == "ro":
+    mount("-t", "tmpfs", "-o", "size=1m,mode=755", "tmpfs", root)  # a new, empty root: only what is bound below
+    for folder in ("/tmp", "/dev/shm"):
+        os.makedirs(inside(folder), exist_ok=True)
+        mount("-t", "tmpfs", "-o", f"size={size},mode=1777", "tmpfs", inside(folder))
+    os.makedirs(inside("/proc"))
+    mount("-t", "proc", "proc", inside("/proc"))
+    devices = [f"/dev/{name}" for name in ("null", "zero", "full", "random", "urandom", "tty")] + spec["devices"]
+    view = {**spec["view"], **{d: ["dev", d] for d in devices if os.path.exists(d)}}
+    for point, (kind, source) in view.items():  # parents first (sandbox.view's order)
+        target = inside(point)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if kind == "link":
+            os.symlink(source, target)
             continue
-        flags = ",".join("ro" if o == "rw" else o for o in options.split(","))
-        mount("-o", f"remount,bind,{flags}", point)
-    os.chdir(work)
+        if os.path.isdir(source):
+            os.makedirs(target, exist_ok=True)
+        else:
+            open(target, "a").close()
+        mount("--bind", source, target)
+        mount("-o", "remount,bind,ro" + (",nosuid,noexec" if kind == "dev" else ",nosuid,nodev"), target)
+    os.makedirs(inside(spec["writable"]), exist_ok=True)
+    mount("--bind", spec["writable"], inside(spec["writable"]))
+    os.makedirs(inside(spec["work"]), exist_ok=True)
+    mount("-t", "tmpfs", "-o", f"size={size},mode=755", "tmpfs", inside(spec["work"]))
+    for sub in ("home", "tmp"):
+        os.makedirs(os.path.join(inside(spec["work"]), sub), exist_ok=True)
+    mount("-o", "remount,ro,bind", root)
+    os.chroot(root)
+    os.chdir(spec["work"])
     os.execvpe("setpriv", ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--no-new-privs", "--", *command],
                env)
 

@@ -113,6 +113,7 @@ if __name__ == "__main__":
 # ---------------------------------------------------------------------------------------------------------------
 # The grader's side: which cells run apart, starting the process in its sandbox, reading its results.
 
+RESULT_CAP = 4 << 20  # bytes of the result channel read; each line is at most ~25 kB (report() caps its parts)
 SETUP = re.compile(r"lessonlib\.exercises import|from lessonlib import [^\n]*\bexercises\b")
 
 
@@ -175,8 +176,15 @@ def score(cells: list[dict], box, env: dict[str, str], timeout: float, cell_time
     os.close(write_end)
     sink.close_writer()
     chunks: list[bytes] = []
-    reader = threading.Thread(target=lambda: chunks.extend(iter(lambda: os.read(read_end, 1 << 16), b"")),
-                              daemon=True)
+
+    def drain():  # the first RESULT_CAP bytes kept; the rest read and dropped (the process never blocks on it)
+        kept = 0
+        while chunk := os.read(read_end, 1 << 16):
+            if kept < RESULT_CAP:
+                chunks.append(chunk[: RESULT_CAP - kept])
+                kept += len(chunks[-1])
+
+    reader = threading.Thread(target=drain, daemon=True)
     reader.start()
     notes = []
     try:
@@ -212,4 +220,5 @@ def _parse(line: str, nonce: str, count: int) -> tuple | None:
     if (not isinstance(entry, tuple) or len(entry) != 6 or entry[0] != nonce or not isinstance(entry[1], int)
             or not 0 <= entry[1] < count or not all(isinstance(v, str) for v in entry[2:])):
         return None
-    return entry[1:]
+    index, status, stdout, ename, evalue = entry[1:]
+    return index, status[:10], stdout[-20_000:], ename[:100], evalue[:4000]

@@ -1,0 +1,140 @@
+"""What passes between the judge and a submission's runner (:mod:`~lessonlib.grading.judge`): plain data only. A
+frame is a JSON header and the raw bytes of the tensors it names; the reader checks every tensor's dtype, shape and
+size and caps the frame, so that nothing but numbers, strings, lists, tuples, dicts and tensors can come back from a
+submission (no pickle, no object of the submission's: an always-equal object arrives as the float it claims to be,
+or not at all)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import struct
+import time
+
+import torch
+
+HEADER_CAP = 4 << 20  # bytes of one frame's JSON
+PAYLOAD_CAP = 64 << 20  # bytes of one frame's tensors (the exercises' calls move kilobytes)
+DTYPES = {str(d).removeprefix("torch."): d for d in (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                                                        torch.int8, torch.int16, torch.int32, torch.int64,
+                                                        torch.uint8, torch.bool)}
+
+
+class WireError(Exception):
+    """A frame that is not plain data, too large, or late."""
+
+
+def encode(value, buffers: list, depth: int = 0):
+    """``value`` as JSON-able data; each tensor's bytes appended to ``buffers``. Subclasses of int, float and str
+    are sent as the plain value they hold; any other object as ``{"__object__": its type's name}``."""
+    if depth > 32:
+        raise WireError("nested too deeply")
+    if value is None or type(value) is bool:
+        return value
+    if isinstance(value, int):
+        return {"__int__": int.__repr__(value)}
+    if isinstance(value, float):
+        return {"__float__": float.__repr__(value)}
+    if isinstance(value, str):
+        return str.__str__(value)[:100_000]
+    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+        tensor = value.detach().to("cpu").contiguous()
+        if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
+            return {"__object__": f"tensor of {tensor.dtype}"}
+        buffers.append(tensor.reshape(-1).view(torch.uint8).numpy().tobytes())
+        return {"__tensor__": [str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(buffers) - 1]}
+    if type(value) in (list, tuple):
+        items = [encode(v, buffers, depth + 1) for v in list.__iter__(list(value))]
+        return items if type(value) is list else {"__tuple__": items}
+    if type(value) is dict and all(type(k) is str for k in dict.keys(value)):
+        return {"__dict__": {k: encode(v, buffers, depth + 1) for k, v in dict.items(value)}}
+    return {"__object__": type(value).__name__[:100]}
+
+
+class Foreign:
+    """What the judge sees of an object that is not plain data: its type's name, and nothing it can run."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __repr__(self):
+        return f"<a {self.name} object>"
+
+
+def decode(data, buffers: list[bytes], depth: int = 0):
+    """The inverse of :func:`encode`, checking everything: a JSON value that is not one :func:`encode` writes raises
+    :class:`WireError`."""
+    if depth > 32:
+        raise WireError("nested too deeply")
+    if data is None or type(data) in (bool, str):
+        return data
+    if type(data) is list:
+        return [decode(v, buffers, depth + 1) for v in data]
+    if type(data) is not dict or len(data) != 1:
+        raise WireError("not plain data")
+    (kind, body), = data.items()
+    if kind == "__int__" and type(body) is str and len(body) < 5000:
+        return int(body)
+    if kind == "__float__" and type(body) is str and len(body) < 100:
+        return float(body)
+    if kind == "__tuple__" and type(body) is list:
+        return tuple(decode(v, buffers, depth + 1) for v in body)
+    if kind == "__dict__" and type(body) is dict:
+        return {k: decode(v, buffers, depth + 1) for k, v in body.items()}
+    if kind == "__object__" and type(body) is str:
+        return Foreign(body[:100])
+    if kind == "__tensor__" and type(body) is list and len(body) == 3:
+        dtype, shape, index = body
+        if (dtype not in DTYPES or type(shape) is not list or not all(type(s) is int and 0 <= s < 2**40 for s in shape)
+                or type(index) is not int or not 0 <= index < len(buffers)):
+            raise WireError("a tensor that is not well formed")
+        raw = buffers[index]
+        count = 1
+        for s in shape:
+            count *= s
+        if count * DTYPES[dtype].itemsize != len(raw):
+            raise WireError(f"a tensor of {len(raw)} bytes for shape {shape} of {dtype}")
+        flat = torch.frombuffer(bytearray(raw), dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+        return flat.view(DTYPES[dtype]).reshape(shape).clone()
+    raise WireError("not plain data")
+
+
+def send(fd: int, header: dict, buffers: list[bytes] = ()) -> None:
+    body = json.dumps({**header, "sizes": [len(b) for b in buffers]}).encode()
+    data = struct.pack("<QQ", len(body), sum(len(b) for b in buffers)) + body + b"".join(buffers)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _read_exactly(fd: int, size: int, deadline: float) -> bytes:
+    chunks, got = [], 0
+    while got < size:
+        left = deadline - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            raise WireError("no answer in time")
+        chunk = os.read(fd, min(size - got, 1 << 20))
+        if not chunk:
+            raise WireError("the other side closed the channel")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def receive(fd: int, timeout: float) -> tuple[dict, list[bytes]]:
+    """One frame: (header, tensor buffers), within ``timeout`` seconds and the caps."""
+    deadline = time.monotonic() + timeout
+    head, payload = struct.unpack("<QQ", _read_exactly(fd, 16, deadline))
+    if head > HEADER_CAP or payload > PAYLOAD_CAP:
+        raise WireError(f"a frame of {head + payload:,} bytes")
+    header = json.loads(_read_exactly(fd, head, deadline))
+    raw = _read_exactly(fd, payload, deadline) if payload else b""
+    sizes = header.get("sizes") if type(header) is dict else None
+    if type(sizes) is not list or not all(type(s) is int and s >= 0 for s in sizes) or sum(sizes) != payload:
+        raise WireError("a frame whose sizes do not add up")
+    buffers, at = [], 0
+    for size in sizes:
+        buffers.append(raw[at: at + size])
+        at += size
+    return header, buffers

@@ -1,0 +1,158 @@
+"""Issue 43's pieces, each alone and cheap (seconds): the plain-data channel between the judge and a submission's
+runner, the Triton-only kernel source the judge defines, the course's release check, and the grader refusing to
+run without a sandbox."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+
+from lessonlib import grading
+from lessonlib.grading import judge, release, wire
+from lessonlib.grading.kernel_source import NotAKernel, kernel_source
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def roundtrip(value):
+    buffers: list[bytes] = []
+    return wire.decode(wire.encode(value, buffers), buffers)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.bool])
+def test_tensors_and_plain_data_cross_exactly(dtype):
+    tensor = (torch.randn(3, 5, 7) * 10).to(dtype)
+    value = {"t": tensor[:, 1], "list": [1, 2.5, "x", None, True], "tuple": (tensor[0, 0, 0], 3), "empty": tensor[:0]}
+    back = roundtrip(value)
+    assert torch.equal(back["t"], tensor[:, 1]) and back["t"].dtype == dtype
+    assert back["list"] == [1, 2.5, "x", None, True] and type(back["tuple"]) is tuple
+    assert back["empty"].shape == (0, 5, 7)
+
+
+def test_objects_of_the_submission_arrive_as_plain_values_or_not_at_all():
+    class Same(float):  # an always-equal number: it arrives as the float it holds
+        def __eq__(self, other):
+            return True
+
+        __hash__ = float.__hash__
+
+    class Fake:
+        pass
+
+    back = roundtrip([Same(1.5), Fake(), torch.nn.Parameter(torch.ones(2))])
+    assert type(back[0]) is float and back[0] == 1.5 and back[0] != 2.0
+    assert isinstance(back[1], wire.Foreign) and isinstance(back[2], wire.Foreign)
+
+
+@pytest.mark.parametrize("data, buffers", [
+    ({"__tensor__": ["float32", [2, 2], 0]}, [b"\0" * 15]),  # size does not match the shape
+    ({"__tensor__": ["object", [1], 0]}, [b"\0" * 8]),  # not a dtype the judge accepts
+    ({"__pickle__": "gASV"}, []),  # nothing but encode()'s kinds
+    ({"__float__": "1.0", "x": 1}, []),
+    (1.5, []),  # a bare JSON number: encode() never writes one
+])
+def test_the_judge_refuses_what_is_not_well_formed(data, buffers):
+    with pytest.raises(wire.WireError):
+        wire.decode(data, buffers)
+
+
+def test_a_frame_past_its_cap_is_refused():
+    read, write = os.pipe()
+    os.write(write, (wire.HEADER_CAP + 1).to_bytes(8, "little") + (0).to_bytes(8, "little"))
+    with pytest.raises(wire.WireError, match="a frame of"):
+        wire.receive(read, 5)
+    os.close(read)
+    os.close(write)
+
+
+def code_cells(path: Path) -> list[str]:
+    return [c.source for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+
+
+def test_every_kernel_exercise_is_a_triton_jit_function_the_judge_accepts():
+    """The course's kernel exercises (solution ids ending _kernel) are exactly its @triton.jit answers, and the
+    judge's Triton-only check accepts each instructor solution and each student stub."""
+    for name, found in grading.course_exercises(ROOT / "notebooks").items():
+        instructor, student = code_cells(ROOT / "notebooks" / name), code_cells(ROOT / "notebooks" / "student" / name)
+        for exercise in found:
+            solution = next(s for s in instructor if f"def {exercise.solution_id}(" in s)
+            assert judge.is_kernel(exercise) == ("@triton.jit" in solution), exercise.name
+            if judge.is_kernel(exercise):
+                assert f"def {exercise.solution_id}(" in kernel_source(instructor, exercise.solution_id)
+                kernel_source(student, exercise.solution_id)
+
+
+KERNEL = "@triton.jit\ndef my_k(x_ptr, n, BLOCK: tl.constexpr):\n    offs = tl.arange(0, BLOCK)\n{body}\n"
+
+
+@pytest.mark.parametrize("body, why", [
+    ("    import os", "Import"),
+    ("    x = torch", "torch is neither"),
+    ("    torch.ones(1)", "ones is not"),
+    ("    x = x_ptr.__class__", "__class__"),
+    ("    f = lambda: 0", "Lambda"),
+    ("    def inner():\n        pass", "FunctionDef"),
+    ("    tl.core.builtins", "not"),
+    ("    x = x_ptr.handle", "handle"),
+    ("    try:\n        pass\n    except Exception:\n        pass", "Try"),
+])
+def test_a_kernel_that_is_not_triton_language_is_refused(body, why):
+    with pytest.raises(NotAKernel, match=why):
+        kernel_source([KERNEL.format(body=body)], "my_k")
+
+
+def test_a_kernel_replaced_after_its_definition_is_not_a_kernel():
+    cells = [KERNEL.format(body="    pass"), "class Fake:\n    pass\nmy_k = Fake()\n"]
+    with pytest.raises(NotAKernel, match="no @triton.jit function my_k"):
+        kernel_source(cells, "my_k")
+    helper = "@triton.jit\ndef helper(x):\n    return x * 2\n"
+    source = kernel_source([helper, KERNEL.format(body="    y = helper(offs)")], "my_k")
+    assert source.index("def helper(") < source.index("def my_k(")
+
+
+@pytest.fixture()
+def checkout(tmp_path):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout of the course")
+    target = tmp_path / "checkout"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(target)], check=True, timeout=300)
+    return target
+
+
+def test_the_course_is_checked_against_its_commit_and_put_back(checkout):
+    course = release.Course(checkout, checkout / "notebooks")
+    assert course.origin.startswith("git commit")
+    source = checkout / "lessonlib" / "exercises" / "operator_fusion.py"
+    original = source.read_bytes()
+    pyc = Path(__import__("importlib.util").util.cache_from_source(str(source)))
+    pyc.parent.mkdir(exist_ok=True)
+    pyc.write_bytes(b"forged")
+    (checkout / "sitecustomize.py").write_text("x = 1\n")
+    source.write_bytes(original + b"\n# changed\n")
+    with pytest.raises(release.CourseChanged) as refused:
+        release.Course(checkout, checkout / "notebooks")
+    for what in ("operator_fusion.py differs", "sitecustomize.py is not released", "is not its source compiled"):
+        assert what in str(refused.value)
+    found = course.repair()
+    assert source.read_bytes() == original and not pyc.exists() and not (checkout / "sitecustomize.py").exists()
+    assert len(found) == 3 and course.repair() == []
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(source)], check=True)  # Python's own: kept
+    assert course.repair() == [] and pyc.exists()
+
+
+def test_without_a_sandbox_the_grader_refuses_unless_told(tmp_path, monkeypatch):
+    from lessonlib.grading import sandbox, submissions
+
+    (tmp_path / "subs").mkdir()
+    monkeypatch.delenv("LESSONLIB_GRADING_SANDBOX", raising=False)
+    assert grading.main([str(tmp_path / "subs"), "--sandbox", "none"]) == 3
+    monkeypatch.setattr(sandbox, "choose", lambda mode="auto": ("none", "no bwrap here"))
+    with pytest.raises(sandbox.SandboxUnavailable, match="refuses to run untrusted notebooks"):
+        submissions._sandbox("auto", False, print)
+    lines = []
+    assert submissions._sandbox("auto", True, lines.append) == "none" and "UNSANDBOXED" in lines[0]
