@@ -14,7 +14,7 @@ fi
 
 # Debian's packages, each only when missing, in one apt-get call (its update alone takes a while): Chromium for the
 # real-browser test; bubblewrap, the sandbox each graded notebook runs in (lessonlib.grading; without it the grader
-# falls back to unshare, or warns that it runs submissions unsandboxed).
+# uses unshare where the kernel allows it, and otherwise refuses to grade unless told --unsafe-no-sandbox).
 missing=()
 command -v chromium >/dev/null 2>&1 || missing+=(chromium)
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
@@ -23,7 +23,7 @@ if [ ${#missing[@]} -gt 0 ]; then
         apt-get update -qq && apt-get install -y -qq "${missing[@]}" >/dev/null
     else
         echo "setup: ${missing[*]} missing: the browser test is skipped without chromium, and without bubblewrap the" \
-             "grader uses unshare or runs unsandboxed (install Debian's ${missing[*]})" >&2
+             "grader uses unshare or refuses to grade (install Debian's ${missing[*]})" >&2
     fi
 fi
 
@@ -63,3 +63,8 @@ if [ ! -d ".triton-colab/triton-$colab_triton.dist-info" ]; then
 fi
 "$venv/bin/python" -c "import torch, triton; print(f'setup: torch {torch.__version__}, triton {triton.__version__}')"
 echo "setup: Colab's triton $colab_triton in .triton-colab/ (the compile-target test's second Triton)"
+# The grader checks the course against what was released before and after each submission: a git checkout is its own
+# record; an install without git gets a manifest of lessonlib's files now (lessonlib.grading.release).
+if ! git -C . rev-parse --git-dir >/dev/null 2>&1; then
+    "$venv/bin/python" -m lessonlib.grading.release
+fi
