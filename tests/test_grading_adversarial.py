@@ -60,6 +60,30 @@ class _Spoof(_Fake):
 _Fake = _Spoof
 '''
 FAKES_BOUND = "\nmy_swiglu_kernel = _Fake('swiglu')\nmy_add_rms_norm_kernel = _Fake('rms')\n"
+# A patched triton.jit: every kernel defined after it is a fake that computes in PyTorch (issue 41).
+PATCHED_JIT = FAKE + '''
+import triton as _triton
+_triton.jit = lambda fn=None, **kw: _Fake("swiglu" if "swiglu" in fn.__name__ else "rms")
+@_triton.jit
+def my_swiglu_kernel(gate_ptr, up_ptr, out_ptr, n_elements, BLOCK):
+    pass
+@_triton.jit
+def my_add_rms_norm_kernel(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, n_cols, eps, BLOCK):
+    pass
+'''
+# The student's own (stub) kernels launched for real, then the outputs overwritten from PyTorch: the values compared
+# were not written by the kernel's stores (issue 41).
+OVERWRITES = FAKE + '''
+class _Overwrites:
+    def __init__(self, kernel, kind): self.kernel, self.kind, self.fn = kernel, kind, kernel.fn
+    def __getitem__(self, grid):
+        def launch(*a, **k):
+            self.kernel[grid](*a, **k)
+            _Launch(self.kind)(*a)
+        return launch
+my_swiglu_kernel = _Overwrites(my_swiglu_kernel, "swiglu")
+my_add_rms_norm_kernel = _Overwrites(my_add_rms_norm_kernel, "rms")
+'''
 # Patch lessonlib's launcher so that the stub kernels "write" the answer: the patch made to look like library code.
 EXEC_INTO = FAKE + '''
 import lessonlib.ops._common as _common
@@ -289,6 +313,8 @@ def run_attacks(base: Path, mode: str) -> dict:
         "exec_into_lessonlib": appended(stub, kernel, EXEC_INTO),
         "compiled_as_lessonlib": appended(stub, kernel, COMPILED_AS),
         "fake_kernel": appended(stub, "my_add_rms_norm_kernel", FAKE + FAKES_BOUND),
+        "patched_jit": appended(stub, "my_add_rms_norm_kernel", PATCHED_JIT),
+        "overwrites_after_launch": appended(stub, "my_add_rms_norm_kernel", OVERWRITES),
         "reads_solved": appended(stub, "my_add_rms_norm_kernel", solved_from(str(course / FUSION))
                                  + solved_from(str(ROOT / "notebooks" / FUSION))),
         "always_equal": appended(stub, "my_swiglu_ratio", ALWAYS_EQUAL),
@@ -359,7 +385,7 @@ ATTACKED_ITEMS = {  # submission -> the items it attacks (it is the untouched st
     "stack_walker": ("swiglu", "swiglu_ratio", "add_rms_norm"),
     "gc_nonce": ("swiglu", "swiglu_ratio", "add_rms_norm"),
     "class_spoof": KERNELS, "isnan_mock": KERNELS, "exec_into_lessonlib": KERNELS, "compiled_as_lessonlib": KERNELS,
-    "fake_kernel": KERNELS, "reads_solved": ("swiglu", "swiglu_ratio", "add_rms_norm"),
+    "fake_kernel": KERNELS, "patched_jit": KERNELS, "overwrites_after_launch": KERNELS, "reads_solved": ("swiglu", "swiglu_ratio", "add_rms_norm"),
     "symlink": ("swiglu", "swiglu_ratio", "add_rms_norm"), "always_equal": ("swiglu_ratio",),
     "tamper": ("swiglu", "swiglu_ratio", "add_rms_norm"), "fifo": ("swiglu", "swiglu_ratio", "add_rms_norm"),
 }
