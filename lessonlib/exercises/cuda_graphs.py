@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, passed
 from lessonlib.testing import check_close
 
 
@@ -36,7 +36,7 @@ def check_refresh_static_inputs(fn) -> None:
                 raise ExerciseFailed(f"refresh_static_inputs: static[{name!r}] does not hold the new values")
         if result is not None:
             raise ExerciseFailed("refresh_static_inputs: work in place and return None")
-    print("refresh_static_inputs: new values in the captured tensors, every address unchanged")
+    passed("refresh_static_inputs: new values in the captured tensors, every address unchanged")
 
 
 # --- 4. A decode step made graph-safe (notebook 05) ---------------------------------------------------------------
@@ -229,7 +229,7 @@ def check_graph_safe_decode_step(fn) -> None:
             _check_capture(fn, dtype)
     where = (", captured and replayed as a CUDA graph" if runtime.on_gpu() else
              " (capture itself needs a GPU: run this on one for the full check)")
-    print(f"graph_safe_decode_step: right values over {GRAPH_SAFE_STEPS} steps with ragged lengths, out reused, no host "
+    passed(f"graph_safe_decode_step: right values over {GRAPH_SAFE_STEPS} steps with ragged lengths, out reused, no host "
           f"read, the same ops and shapes every step{where}")
 
 

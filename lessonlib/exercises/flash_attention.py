@@ -10,7 +10,7 @@ import torch
 
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
-                                           _require_kernel)
+                                           _require_kernel, passed)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, check_close, to_float64
 
@@ -47,7 +47,7 @@ def check_online_softmax_update(fn) -> None:
         if not torch.allclose(acc / l[:, None], exact, rtol=1e-10, atol=1e-12):
             raise ExerciseFailed("online_softmax_update: acc / l differs from softmax(scores) @ values: rescale acc "
                                  "by the same factor as l before adding this tile's exp(scores - m) @ values")
-    print("online_softmax_update: correct on 4 problems (float64, exact to rounding), including a late large score")
+    passed("online_softmax_update: correct on 4 problems (float64, exact to rounding), including a late large score")
 
 
 def check_key_tile_bound(fn) -> None:
@@ -76,7 +76,7 @@ def check_key_tile_bound(fn) -> None:
                 f"key_tile_bound(start_m={start_m}, block_m={block_m}, n_q={n_q}, n_kv={n_kv}) = {got}, expected "
                 f"{want}. The tile's last real query is min(start_m + block_m, n_q) - 1; it sees keys up to that "
                 "+ (n_kv - n_q); clamp to [0, n_kv].")
-    print(f"key_tile_bound: correct on {len(cases)} tiles (including Nq > Nkv and partial last tiles)")
+    passed(f"key_tile_bound: correct on {len(cases)} tiles (including Nq > Nkv and partial last tiles)")
 
 
 def check_flash_attention(fn) -> None:
@@ -97,7 +97,7 @@ def check_flash_attention(fn) -> None:
                 raise ExerciseFailed(f"flash_attention: not implemented yet ({str(e) or 'NotImplementedError'})") from None
             except AssertionError as e:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
-    print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
+    passed("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
           f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}")
 
 
@@ -251,7 +251,7 @@ def check_flash_forward_kernel(kernel) -> None:
                           lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
                           attention_allowance(q, k, v))
     _check_causal_tiles_skipped(kernel)
-    print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
+    passed(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")
