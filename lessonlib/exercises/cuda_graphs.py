@@ -43,18 +43,20 @@ def check_refresh_static_inputs(fn) -> None:
 
 
 def eager_decode_step(q, k_new, v_new, k_cache, v_cache, lengths):
-    """One step of decode attention over a per-sequence KV cache of fixed capacity, written the eager way; it works,
-    and a CUDA graph cannot capture it.
+    """One step of decode attention over a per-sequence KV cache of fixed capacity, written the
+    eager way; it works, and a CUDA graph cannot capture it.
 
-    q: (B, H, D), each sequence's new query; k_new, v_new: (B, Hkv, D), its new key and value; k_cache, v_cache:
-    (B, Hkv, capacity, D); lengths: (B,) int64, tokens cached per sequence. Writes the new K, V at position
-    lengths[b], attends over positions 0 ... lengths[b], advances lengths by one. Returns (B, H, D)."""
+    q: (B, H, D), each sequence's new query; k_new, v_new: (B, Hkv, D), its new key and value;
+    k_cache, v_cache: (B, Hkv, capacity, D); lengths: (B,) int64, tokens cached per sequence. Writes
+    the new K, V at position lengths[b], attends over positions 0 ... lengths[b], advances lengths
+    by one. Returns (B, H, D)."""
     outs = []
     for b in range(q.shape[0]):
         n = int(lengths[b])  # the CPU reads a value the GPU computed: a host sync
         k_cache[b, :, n] = k_new[b]
         v_cache[b, :, n] = v_new[b]
-        k, v = k_cache[b:b + 1, :, : n + 1], v_cache[b:b + 1, :, : n + 1]  # a shape that changes every step
+        # a shape that changes every step
+        k, v = k_cache[b:b + 1, :, : n + 1], v_cache[b:b + 1, :, : n + 1]
         outs.append(reference.attention(q[b:b + 1, :, None], k, v)[:, :, 0])
     lengths += 1
     return torch.cat(outs)  # a new tensor every call

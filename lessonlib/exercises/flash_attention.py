@@ -114,11 +114,12 @@ def flash_forward_config() -> dict:
 
 def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   config: dict | None = None, guards: Guards | None = None) -> torch.Tensor:
-    """Launch the exercise's forward kernel: one program per (query tile, batch x head), as lessonlib's kernel.
+    """Launch the exercise's forward kernel: one program per (query tile, batch x head), as
+    lessonlib's kernel.
 
-    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs are made
-    contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out like q. ``guards``: the
-    checker's (:mod:`~lessonlib.exercises._guards`)."""
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs
+    are made contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out
+    like q. ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
     from lessonlib.ops.flash_attention import check_inputs
@@ -130,8 +131,9 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
     with launch_guards("flash_forward", guards) as guards:
         out = output_like(guards, "out", q)
-        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
-               CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
+        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2],
+                      head_dim ** -0.5, GROUP=heads // k.shape[1], CAUSAL=bool(causal),
+                      HEAD_DIM=head_dim, **config)
     return out
 
 
