@@ -97,6 +97,17 @@ def torch_logs(snippet: str, channels: str, timeout: float = 600) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+def wrapped_code(code: str) -> str:
+    """Generated code to print: each line over ``runtime.PRINT_WIDTH`` broken between words, its continuation
+    indented four more than the line (JupyterLab at 1280x800 would break it anywhere, inside a number too)."""
+    lines = []
+    for line in code.split("\n"):
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        lines += textwrap.wrap(line, runtime.PRINT_WIDTH, subsequent_indent=indent, break_long_words=False,
+                               break_on_hyphens=False, drop_whitespace=True) or [line]
+    return "\n".join(lines)
+
+
 # Lesson 04 prints this draw and lesson 05's table of claims quotes it: one seed, so the two show one figure.
 ROUNDING_SEED = 0
 
