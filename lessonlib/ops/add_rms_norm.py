@@ -63,8 +63,7 @@ def _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype: tl.c
 
 @triton.jit
 def _normalize(h, rstd, weight_ptr, out_ptr, cols, mask, dtype: tl.constexpr):
-    """weight * (h * rstd) on these columns, stored; h * rstd is rounded to the dtype first, as the
-    reference does."""
+    """weight * (h * rstd), stored; h * rstd rounded to the dtype first, as the reference does."""
     w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
     out = (h * rstd).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + cols, out.to(dtype), mask=mask)
@@ -83,8 +82,7 @@ def _add_rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
-    # launched with programmatic dependent launch (ops._common.pdl_options)
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # programmatic dependent launch (ops._common.pdl_options)
 ):
     pdl_wait_then_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)
