@@ -97,6 +97,17 @@ def torch_logs(snippet: str, channels: str, timeout: float = 600) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.strip()]
 
 
+def wrapped_code(code: str) -> str:
+    """Generated code to print: each line over ``runtime.PRINT_WIDTH`` broken between words, its continuation
+    indented four more than the line (JupyterLab at 1280x800 would break it anywhere, inside a number too)."""
+    lines = []
+    for line in code.split("\n"):
+        indent = " " * (len(line) - len(line.lstrip()) + 4)
+        lines += textwrap.wrap(line, runtime.PRINT_WIDTH, subsequent_indent=indent, break_long_words=False,
+                               break_on_hyphens=False, drop_whitespace=True) or [line]
+    return "\n".join(lines)
+
+
 # Lesson 04 prints this draw and lesson 05's table of claims quotes it: one seed, so the two show one figure.
 ROUNDING_SEED = 0
 
@@ -110,15 +121,17 @@ class RoundingOrder:
     fused_units: float  # the fused kernel's: one rounding
 
 
-def rounding_order(dtype: torch.dtype, shape=(128, 512), seed: int = ROUNDING_SEED) -> RoundingOrder:
-    """silu(gate) * up in ``dtype``: eager (two kernels, two roundings) against lessonlib's fused swiglu (one), on
-    inputs drawn on the CPU from ``seed`` (the same numbers on every device), against float64 on the same rounded
-    inputs. A unit is the dtype's epsilon times the exact value; subnormal results are left out, since relative
-    units mean nothing there."""
+def rounding_order(dtype: torch.dtype, shape=(128, 512),
+                   seed: int = ROUNDING_SEED) -> RoundingOrder:
+    """silu(gate) * up in ``dtype``: eager (two kernels, two roundings) against lessonlib's fused
+    swiglu (one), on inputs drawn on the CPU from ``seed`` (the same numbers on every device),
+    against float64 on the same rounded inputs. A unit is the dtype's epsilon times the exact value;
+    subnormal results are left out, since relative units mean nothing there."""
     from lessonlib import ops, reference
 
     generator = torch.Generator().manual_seed(seed)
-    gate, up = (torch.randn(shape, generator=generator).to(runtime.device(), dtype) for _ in range(2))
+    gate, up = (torch.randn(shape, generator=generator).to(runtime.device(), dtype)
+                for _ in range(2))
     exact = reference.swiglu(gate.double(), up.double())
     normal = exact.abs() >= torch.finfo(dtype).tiny
     unit = torch.finfo(dtype).eps * exact.abs()
@@ -127,5 +140,5 @@ def rounding_order(dtype: torch.dtype, shape=(128, 512), seed: int = ROUNDING_SE
     def units(a, b):
         return ((a.double() - b.double()).abs() / unit)[normal].max().item()
 
-    return RoundingOrder(dtype, (eager != fused).double().mean().item(), units(eager, fused), units(eager, exact),
-                         units(fused, exact))
+    return RoundingOrder(dtype, (eager != fused).double().mean().item(), units(eager, fused),
+                         units(eager, exact), units(fused, exact))

@@ -13,30 +13,35 @@ import torch
 
 
 class Graphed:
-    """``fn(*static_inputs)`` captured once; calling it copies new inputs into the static buffers and replays.
+    """``fn(*static_inputs)`` captured once; calling it copies new inputs into the static buffers
+    and replays.
 
         graphed = Graphed(step, *static_tensors)
-        out = graphed(*new_tensors)   # same shapes and dtypes; returns the graph's static outputs (overwritten next call)
+        # same shapes and dtypes; returns the graph's static outputs (overwritten next call)
+        out = graphed(*new_tensors)
     """
 
     def __init__(self, fn, *static_inputs: torch.Tensor, warmup: int = 3):
         if not torch.cuda.is_available():
             raise RuntimeError("CUDA graphs need a CUDA GPU")
         self.fn, self.static_inputs = fn, static_inputs
-        side = torch.cuda.Stream()  # warm up on a side stream, as PyTorch's docs prescribe (lazy init, autotuning)
+        # warm up on a side stream, as PyTorch's docs prescribe (lazy init, autotuning)
+        side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(warmup):
                 fn(*static_inputs)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        torch.cuda.empty_cache()  # torch.cuda.graph() empties the cache on entry: do it first, so `before` is honest
+        # torch.cuda.graph() empties the cache on entry: do it first, so `before` is honest
+        torch.cuda.empty_cache()
         before = torch.cuda.memory_reserved()
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.outputs = fn(*static_inputs)
         torch.cuda.synchronize()
-        self.pool_bytes = torch.cuda.memory_reserved() - before  # memory the graph's private pool holds
+        # memory the graph's private pool holds
+        self.pool_bytes = torch.cuda.memory_reserved() - before
 
     def __call__(self, *inputs: torch.Tensor):
         for static, new in zip(self.static_inputs, inputs):

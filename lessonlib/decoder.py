@@ -79,7 +79,8 @@ class DecoderLayer(nn.Module):
         return self.mlp(normed), residual
 
     def fused_step(self, inputs: DecodeInputs, k_cache: torch.Tensor, v_cache: torch.Tensor):
-        """The same step with lessonlib's kernels; no host sync inside (tables are trusted: built by the cache)."""
+        """The same step with lessonlib's kernels; no host sync inside (tables are trusted: built
+        by the cache)."""
         from lessonlib import ops
 
         if self._fused_mlp is None:
@@ -88,8 +89,10 @@ class DecoderLayer(nn.Module):
         q, k, v = self._split_qkv(normed)
         q, k = ops.apply_rope(q, k, inputs.cos, inputs.sin)
         ops.store_kv(k[:, :, 0], v, k_cache, v_cache, inputs.slots, validate=False)
-        attn = ops.paged_attention(q[:, :, 0], k_cache, v_cache, inputs.block_table, inputs.seq_lens, validate=False)
-        normed, residual = ops.add_rms_norm(self.o_proj(attn.flatten(1)), residual, self.post_attention_norm)
+        attn = ops.paged_attention(q[:, :, 0], k_cache, v_cache, inputs.block_table,
+                                   inputs.seq_lens, validate=False)
+        normed, residual = ops.add_rms_norm(self.o_proj(attn.flatten(1)), residual,
+                                            self.post_attention_norm)
         return self._fused_mlp(normed), residual
 
 

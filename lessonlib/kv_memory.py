@@ -51,15 +51,18 @@ class LargestBatch:
     blocks: int  # sequences that fit when each holds the blocks of its own length
 
 
-def largest_batch(lengths: torch.Tensor, pool_tokens: int, max_len: int, block_size: int) -> LargestBatch:
-    """How many of the requests ``lengths`` (tokens each at its end, in arrival order) fit at once in a KV cache of
-    ``pool_tokens`` slots: reserving a ``max_len`` slab each, or ``block_size`` blocks each for what it uses (the
-    first requests whose blocks add up to the pool). The vLLM paper's comparison, for the same memory."""
+def largest_batch(lengths: torch.Tensor, pool_tokens: int, max_len: int,
+                  block_size: int) -> LargestBatch:
+    """How many of the requests ``lengths`` (tokens each at its end, in arrival order) fit at once
+    in a KV cache of ``pool_tokens`` slots: reserving a ``max_len`` slab each, or ``block_size``
+    blocks each for what it uses (the first requests whose blocks add up to the pool). The vLLM
+    paper's comparison, for the same memory."""
     if block_size < 1 or max_len < 1 or pool_tokens < 1:
-        raise ValueError(f"pool_tokens, max_len and block_size must be >= 1, got {pool_tokens}, {max_len} and "
-                         f"{block_size}")
+        raise ValueError(f"pool_tokens, max_len and block_size must be >= 1, got {pool_tokens}, "
+                         f"{max_len} and {block_size}")
     if lengths.numel() and int(lengths.max()) > max_len:
-        raise ValueError(f"a request of {int(lengths.max())} tokens is longer than max_len={max_len}")
+        raise ValueError(f"a request of {int(lengths.max())} tokens is longer than "
+                         f"max_len={max_len}")
     blocks = torch.cumsum((lengths + block_size - 1) // block_size, 0)
     fits = int((blocks <= pool_tokens // block_size).sum())
     return LargestBatch(min(pool_tokens // max_len, len(lengths)), fits)

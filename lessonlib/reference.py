@@ -18,16 +18,20 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor, up_bias: torch.Tensor) -> torch.Tensor:
-    """silu(gate + gate_bias) * (up + up_bias): swiglu on the outputs of two Linear layers with a bias (the bias
-    added after the GEMM, as an unfused epilogue does). Eager PyTorch runs four kernels here."""
+def bias_swiglu(gate: torch.Tensor, up: torch.Tensor, gate_bias: torch.Tensor,
+                up_bias: torch.Tensor) -> torch.Tensor:
+    """silu(gate + gate_bias) * (up + up_bias): swiglu on the outputs of two Linear layers with a
+    bias (the bias added after the GEMM, as an unfused epilogue does). Eager PyTorch runs four
+    kernels here."""
     return F.silu(gate + gate_bias) * (up + up_bias)
 
 
-def dequant_matmul(x: torch.Tensor, weight_int8: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """``x @ (weight_int8 * scales[:, None]).T``: a linear layer whose (N, K) weight is stored as int8 with one scale
-    per output row (weight-only quantisation). Eager PyTorch converts the whole weight, scales it, then multiplies:
-    three kernels and a full-size 16-bit weight written and read back."""
+def dequant_matmul(x: torch.Tensor, weight_int8: torch.Tensor,
+                   scales: torch.Tensor) -> torch.Tensor:
+    """``x @ (weight_int8 * scales[:, None]).T``: a linear layer whose (N, K) weight is stored as
+    int8 with one scale per output row (weight-only quantisation). Eager PyTorch converts the whole
+    weight, scales it, then multiplies: three kernels and a full-size 16-bit weight written and read
+    back."""
     return F.linear(x, weight_int8.to(x.dtype) * scales[:, None])
 
 
@@ -64,10 +68,10 @@ def add_rms_norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Residual add followed by RMSNorm, as a pre-norm transformer block does between sub-layers.
 
-    Returns ``(normalized, updated_residual)``: ``updated_residual = x + residual`` (in the input dtype, it is the
-    next layer's residual stream) and ``normalized = weight * rms_norm(updated_residual)``, with the mean of
-    squares taken in float32 (as Llama-style models do), cast back to the input dtype before the weight.
-    """
+    Returns ``(normalized, updated_residual)``: ``updated_residual = x + residual`` (in the input
+    dtype, it is the next layer's residual stream) and
+    ``normalized = weight * rms_norm(updated_residual)``, with the mean of squares taken in float32
+    (as Llama-style models do), cast back to the input dtype before the weight."""
     updated_residual = x + residual
     hidden = updated_residual.float()
     variance = hidden.pow(2).mean(-1, keepdim=True)
@@ -150,9 +154,8 @@ def decode_qkv_rope_store_kv(x: torch.Tensor, weight: torch.Tensor, bias: torch.
 class GatedMLP(nn.Module):
     """The feed-forward block of Llama-style models: down(silu(gate(x)) * up(x)).
 
-    Eager PyTorch runs it as three GEMMs and two elementwise kernels, with two (T, I) intermediates written to and
-    read back from memory.
-    """
+    Eager PyTorch runs it as three GEMMs and two elementwise kernels, with two (T, I) intermediates
+    written to and read back from memory."""
 
     def __init__(self, hidden_size: int, intermediate_size: int, device=None, dtype=None):
         super().__init__()

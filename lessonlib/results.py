@@ -28,10 +28,13 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from lessonlib.runtime import PRINT_WIDTH
 
 FORMAT = "lessonlib-results/1"
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -378,3 +381,9 @@ def find(name: str) -> Results | None:
 def recorded_ceilings(name: str = "fusion-h200") -> Ceilings:
     """The ceilings measured in a recorded run: what a CPU-only notebook plots against."""
     return load(name).recorded_ceilings()
+
+
+def wrapped(line: str) -> str:
+    """A provenance line to print ("recorded run: " + ``provenance()``), in lines of at most PRINT_WIDTH broken
+    between words (a path or a number stays whole) and indented after the first: JupyterLab breaks anywhere."""
+    return textwrap.fill(line, PRINT_WIDTH, subsequent_indent="    ", break_long_words=False, break_on_hyphens=False)

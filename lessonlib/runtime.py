@@ -353,16 +353,15 @@ def check_fits(nbytes: int, what: str) -> None:
 
 
 def describe() -> str:
-    """One line for a notebook's first cell: where kernels run, and with which versions."""
+    """For a notebook's first cell: where kernels run, and with which versions, in lines of at most PRINT_WIDTH."""
     gpu = on_gpu()  # decide the mode before triton is imported
     import triton
 
-    versions = f"torch {torch.__version__}, triton {triton.__version__}"
-    if mode() == "compile":
-        return f"Mode: compile only (nothing launches), for a {gpu_profile().describe()}, {versions}"
-    if gpu:
-        return f"Mode: GPU: {gpu_profile().describe()}, {versions}"
-    return f"Mode: Triton interpreter on CPU (no GPU: small sizes, times are not performance), {versions}"
+    where = ("compile only (nothing launches), for a " if mode() == "compile" else "GPU: " if gpu else
+             "Triton interpreter on CPU (no GPU: small sizes, times are not performance)")
+    where += gpu_profile().describe() if gpu or mode() == "compile" else ""
+    return textwrap.fill(f"Mode: {where}, torch {torch.__version__}, triton {triton.__version__}", PRINT_WIDTH,
+                         subsequent_indent="    ")
 
 
 def gpu_only(what: str, instead: str = "The recorded H200 results are shown instead.") -> bool:

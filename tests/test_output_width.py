@@ -50,3 +50,17 @@ def test_the_count_sees_a_long_line_and_not_a_widget(tmp_path):
     notebook.cells = [cell]
     nbformat.write(notebook, tmp_path / "made_up.ipynb")
     assert len(too_long(tmp_path / "made_up.ipynb")) == 1
+
+
+def test_vllm_numa_notice_is_left_out_and_the_rest_of_stderr_kept(capfd):
+    """vLLM's CPU worker writes a 220-character NUMA notice to file descriptor 2 from C++ at each engine start;
+    lessonlib.serving starts engines with it left out, and passes every other line on."""
+    import os
+
+    from lessonlib.serving.in_process import NUMA_NOTICE, _without_numa_notice
+
+    notice = f"[W1205 01:02:25 utils.cpp:68] Warning: {NUMA_NOTICE} MEMBIND policy for memory allocation " + "x" * 120
+    with _without_numa_notice():
+        os.write(2, f"before\n{notice}\nafter: a warning a student needs\n".encode())
+    err = capfd.readouterr().err
+    assert NUMA_NOTICE not in err and "before\n" in err and "after: a warning a student needs" in err, err

@@ -15,12 +15,20 @@ from __future__ import annotations
 import os
 import re
 import sys
+import textwrap
 from contextlib import contextmanager
 
 import torch
 
 from lessonlib import runtime
 from lessonlib.testing import check_close, poisoned_outputs
+
+
+def passed(message: str) -> None:
+    """Print a checker's verdict in lines of at most ``runtime.PRINT_WIDTH``, broken between words (continuation
+    lines indented): JupyterLab breaks a longer line wherever its output area ends, inside a number too."""
+    print(textwrap.fill(message, runtime.PRINT_WIDTH, subsequent_indent="  ", break_long_words=False,
+                        break_on_hyphens=False))
 
 
 class ExerciseFailed(AssertionError):

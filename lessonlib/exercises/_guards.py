@@ -30,7 +30,7 @@ import torch
 
 from lessonlib import runtime
 from lessonlib.exercises import _observe
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, passed
 
 GPU_NOTE = ("(On a GPU the checker cannot record your kernel's loads and stores: it sees a store into the guard "
             "zone around a tensor, and a read past an input's end whose value reaches the output. A read whose value "
@@ -77,7 +77,7 @@ class Guards:
         a refused kernel, an access outside a tensor, unset lanes that reach a result, or a tensor changed other
         than by the kernel's stores raise :class:`ExerciseFailed` naming it."""
         if runtime.on_gpu() and not _gpu_note_shown:
-            _gpu_note_shown.append(print(GPU_NOTE))
+            _gpu_note_shown.append(passed(GPU_NOTE))
         obs = _observe.launch_observed(self.name, kernel, grid, *args, **meta)
         self.observations.append(obs)
         problems = _observe.findings(obs)

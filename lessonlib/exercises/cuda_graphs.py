@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, passed
 from lessonlib.testing import check_close
 
 
@@ -36,25 +36,27 @@ def check_refresh_static_inputs(fn) -> None:
                 raise ExerciseFailed(f"refresh_static_inputs: static[{name!r}] does not hold the new values")
         if result is not None:
             raise ExerciseFailed("refresh_static_inputs: work in place and return None")
-    print("refresh_static_inputs: new values in the captured tensors, every address unchanged")
+    passed("refresh_static_inputs: new values in the captured tensors, every address unchanged")
 
 
 # --- 4. A decode step made graph-safe (notebook 05) ---------------------------------------------------------------
 
 
 def eager_decode_step(q, k_new, v_new, k_cache, v_cache, lengths):
-    """One step of decode attention over a per-sequence KV cache of fixed capacity, written the eager way; it works,
-    and a CUDA graph cannot capture it.
+    """One step of decode attention over a per-sequence KV cache of fixed capacity, written the
+    eager way; it works, and a CUDA graph cannot capture it.
 
-    q: (B, H, D), each sequence's new query; k_new, v_new: (B, Hkv, D), its new key and value; k_cache, v_cache:
-    (B, Hkv, capacity, D); lengths: (B,) int64, tokens cached per sequence. Writes the new K, V at position
-    lengths[b], attends over positions 0 ... lengths[b], advances lengths by one. Returns (B, H, D)."""
+    q: (B, H, D), each sequence's new query; k_new, v_new: (B, Hkv, D), its new key and value;
+    k_cache, v_cache: (B, Hkv, capacity, D); lengths: (B,) int64, tokens cached per sequence. Writes
+    the new K, V at position lengths[b], attends over positions 0 ... lengths[b], advances lengths
+    by one. Returns (B, H, D)."""
     outs = []
     for b in range(q.shape[0]):
         n = int(lengths[b])  # the CPU reads a value the GPU computed: a host sync
         k_cache[b, :, n] = k_new[b]
         v_cache[b, :, n] = v_new[b]
-        k, v = k_cache[b:b + 1, :, : n + 1], v_cache[b:b + 1, :, : n + 1]  # a shape that changes every step
+        # a shape that changes every step
+        k, v = k_cache[b:b + 1, :, : n + 1], v_cache[b:b + 1, :, : n + 1]
         outs.append(reference.attention(q[b:b + 1, :, None], k, v)[:, :, 0])
     lengths += 1
     return torch.cat(outs)  # a new tensor every call
@@ -229,7 +231,7 @@ def check_graph_safe_decode_step(fn) -> None:
             _check_capture(fn, dtype)
     where = (", captured and replayed as a CUDA graph" if runtime.on_gpu() else
              " (capture itself needs a GPU: run this on one for the full check)")
-    print(f"graph_safe_decode_step: right values over {GRAPH_SAFE_STEPS} steps with ragged lengths, out reused, no host "
+    passed(f"graph_safe_decode_step: right values over {GRAPH_SAFE_STEPS} steps with ragged lengths, out reused, no host "
           f"read, the same ops and shapes every step{where}")
 
 

@@ -10,7 +10,7 @@ import torch
 
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
-                                           _require_kernel)
+                                           _require_kernel, passed)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, check_close, to_float64
 
@@ -47,7 +47,7 @@ def check_online_softmax_update(fn) -> None:
         if not torch.allclose(acc / l[:, None], exact, rtol=1e-10, atol=1e-12):
             raise ExerciseFailed("online_softmax_update: acc / l differs from softmax(scores) @ values: rescale acc "
                                  "by the same factor as l before adding this tile's exp(scores - m) @ values")
-    print("online_softmax_update: correct on 4 problems (float64, exact to rounding), including a late large score")
+    passed("online_softmax_update: correct on 4 problems (float64, exact to rounding), including a late large score")
 
 
 def check_key_tile_bound(fn) -> None:
@@ -76,7 +76,7 @@ def check_key_tile_bound(fn) -> None:
                 f"key_tile_bound(start_m={start_m}, block_m={block_m}, n_q={n_q}, n_kv={n_kv}) = {got}, expected "
                 f"{want}. The tile's last real query is min(start_m + block_m, n_q) - 1; it sees keys up to that "
                 "+ (n_kv - n_q); clamp to [0, n_kv].")
-    print(f"key_tile_bound: correct on {len(cases)} tiles (including Nq > Nkv and partial last tiles)")
+    passed(f"key_tile_bound: correct on {len(cases)} tiles (including Nq > Nkv and partial last tiles)")
 
 
 def check_flash_attention(fn) -> None:
@@ -97,7 +97,7 @@ def check_flash_attention(fn) -> None:
                 raise ExerciseFailed(f"flash_attention: not implemented yet ({str(e) or 'NotImplementedError'})") from None
             except AssertionError as e:
                 raise ExerciseFailed(f"{e}\n  on q {tuple(q.shape)}, k/v {tuple(k.shape)}, {dtype}, causal={causal}") from None
-    print("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
+    passed("flash_attention: forward and backward within tolerance on odd lengths, GQA, causal and full, "
           f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}")
 
 
@@ -114,11 +114,12 @@ def flash_forward_config() -> dict:
 
 def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = False,
                   config: dict | None = None, guards: Guards | None = None) -> torch.Tensor:
-    """Launch the exercise's forward kernel: one program per (query tile, batch x head), as lessonlib's kernel.
+    """Launch the exercise's forward kernel: one program per (query tile, batch x head), as
+    lessonlib's kernel.
 
-    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs are made
-    contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out like q. ``guards``: the
-    checker's (:mod:`~lessonlib.exercises._guards`)."""
+    q: (B, H, Nq, D); k, v: (B, Hkv, Nkv, D); H a multiple of Hkv, D in {16, 32, 64, 128}. Inputs
+    are made contiguous, so row n of head (b, h) starts at ((b * H + h) * N + n) * D. Returns out
+    like q. ``guards``: the checker's (:mod:`~lessonlib.exercises._guards`)."""
     import triton
 
     from lessonlib.ops.flash_attention import check_inputs
@@ -130,8 +131,9 @@ def flash_forward(kernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cau
     grid = (triton.cdiv(n_q, config["BLOCK_M"]), batch * heads)
     with launch_guards("flash_forward", guards) as guards:
         out = output_like(guards, "out", q)
-        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2], head_dim ** -0.5, GROUP=heads // k.shape[1],
-               CAUSAL=bool(causal), HEAD_DIM=head_dim, **config)
+        launch_kernel(guards, "flash_forward", kernel, grid, q, k, v, out, n_q, k.shape[2],
+                      head_dim ** -0.5, GROUP=heads // k.shape[1], CAUSAL=bool(causal),
+                      HEAD_DIM=head_dim, **config)
     return out
 
 
@@ -251,7 +253,7 @@ def check_flash_forward_kernel(kernel) -> None:
                           lambda: _flash_forward_mistakes(q64, k64, v64, causal, block_n), where,
                           attention_allowance(q, k, v))
     _check_causal_tiles_skipped(kernel)
-    print(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
+    passed(f"flash_forward: your kernel matches float64 attention on {len(FLASH_FORWARD_CASES)} shapes (N = 1, 7, 45, "
           "100; GQA, MQA; causal with Nq < Nkv and Nq > Nkv) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")

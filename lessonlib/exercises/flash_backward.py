@@ -18,7 +18,8 @@ import math
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _diagnose, _not_implemented_output, _require_kernel
+from lessonlib.exercises._checking import (ExerciseFailed, _diagnose, _not_implemented_output, _require_kernel,
+                                          passed)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
 from lessonlib.exercises.triton_basics import _run, check_guards, guarded
 from lessonlib.testing import ROUNDINGS, to_float64
@@ -153,6 +154,6 @@ def check_flash_dkdv_kernel(kernel) -> None:
                     allowance = ROUNDINGS * torch.finfo(dtype).eps * terms[name]  # the cancelling terms' roundings
                     _diagnose(f"flash_dkdv {name}", got.cpu(), want.cpu(), lowp.cpu(),
                               [(m[0], m[index]) for m in mistakes], where, allowance)
-    print(f"flash_dkdv: your kernel's dK and dV match float64 autograd on {len(FLASH_DKDV_CASES)} shapes (N = 1 to 45, "
+    passed(f"flash_dkdv: your kernel's dK and dV match float64 autograd on {len(FLASH_DKDV_CASES)} shapes (N = 1 to 45, "
           f"Nq != Nkv) in {', '.join(str(d).removeprefix('torch.') for d in flash_attention_dtypes())}"
           f"{' on the GPU' if runtime.on_gpu() else ' (Triton interpreter)'}")

@@ -10,7 +10,7 @@ from contextlib import nullcontext
 
 from lessonlib import reference, runtime, testing
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _check_output, _check_written, _describe, _diagnose,
-                                           _inputs)
+                                           _inputs, passed)
 from lessonlib.exercises._observe import certify_kernel
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
@@ -91,7 +91,7 @@ def check_swiglu(kernel=None, *, op=None) -> None:
             with guards.judged() if op is None else nullcontext():
                 _check_swiglu_output(out, gate, up)
     what = "lessonlib's op" if op is not None else "your kernel"
-    print(f"✓ swiglu: {what} matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
+    passed(f"✓ swiglu: {what} matches the reference ({len(SWIGLU_SHAPES)} shapes x every supported dtype)")
 
 
 def check_add_rms_norm(kernel=None, *, op=None) -> None:
@@ -113,7 +113,7 @@ def check_add_rms_norm(kernel=None, *, op=None) -> None:
             with guards.judged() if op is None else nullcontext():
                 _check_add_rms_norm_output(result, x, residual, weight)
     what = "lessonlib's op" if op is not None else "your kernel"
-    print(f"✓ add_rms_norm: {what} matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
+    passed(f"✓ add_rms_norm: {what} matches the reference ({len(ADD_RMS_NORM_SHAPES)} shapes x every supported dtype)")
 
 
 ROUND_ONCE = "Compute in float32 and round once when storing."
@@ -179,7 +179,7 @@ def check_apply_rope(fn) -> None:
             low = reference.apply_rope(*args)
             _check_output("apply_rope: q_rot", result[0], truth[0], low[0], args)
             _check_output("apply_rope: k_rot", result[1], truth[1], low[1], args)
-    print("✓ apply_rope matches the reference (3 shapes x every supported dtype)")
+    passed("✓ apply_rope matches the reference (3 shapes x every supported dtype)")
 
 
 def check_fused_backward() -> None:
@@ -202,4 +202,4 @@ def check_fused_backward() -> None:
         cos, sin = reference.rope_cos_sin(torch.arange(7, device=runtime.device()), 64, dtype=dtype)
         testing.check_gradients("apply_rope", ops.apply_rope, reference.apply_rope, (q, k, cos, sin),
                                 ("q", "k", None, None))
-    print("✓ gradients of swiglu, add_rms_norm and apply_rope match float64 autograd (odd shapes x every supported dtype)")
+    passed("✓ gradients of swiglu, add_rms_norm and apply_rope match float64 autograd (odd shapes x every supported dtype)")

@@ -8,7 +8,7 @@ import torch
 
 from lessonlib import reference, runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _call, _diagnose, _inputs, _not_implemented_output,
-                                           _require_kernel)
+                                           _require_kernel, passed)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import attention_allowance, to_float64
 
@@ -31,7 +31,7 @@ def check_physical_slot(fn) -> None:
         if tuple(got) != want:
             raise ExerciseFailed(f"physical_slot({position}, {table}, block_size={block_size}) = {tuple(got)}, expected "
                                  f"{want}: logical block = position // block_size, then look it up in the table")
-    print(f"physical_slot: correct on {len(cases)} positions, including the lesson's example table 17 4 29 8")
+    passed(f"physical_slot: correct on {len(cases)} positions, including the lesson's example table 17 4 29 8")
 
 
 def check_free_sequence(fn) -> None:
@@ -81,7 +81,7 @@ def check_free_sequence(fn) -> None:
                                          "check every block first, then change anything") from None
             else:
                 raise ExerciseFailed(f"free_sequence: freeing {tables[victim]} twice did not raise ValueError")
-    print("free_sequence: correct on 20 pools with shared prefixes, double frees refused with nothing changed")
+    passed("free_sequence: correct on 20 pools with shared prefixes, double frees refused with nothing changed")
 
 
 # --- 2. The paged attention kernel's block-table walk (notebook 03) ----------------------------------------------
@@ -208,5 +208,5 @@ def check_paged_decode_kernel(kernel) -> None:
                 _diagnose("paged_decode", out, truth, reference.paged_attention(*args),
                           lambda: _paged_decode_mistakes(*cpu64, table.cpu(), seq_lens.cpu()), where,
                           attention_allowance(q, k_cache, v_cache))
-    print(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
+    passed(f"paged_decode: your block-table walk reads the right K/V rows on {len(PAGED_DECODE_CASES)} pools (shuffled "
           "tables, GQA, block sizes 16 and 32, lengths 1-100), within tolerance of float64")

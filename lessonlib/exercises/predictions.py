@@ -18,7 +18,7 @@ from dataclasses import replace as dataclasses_replace
 from typing import Callable
 
 from lessonlib import results, runtime, traffic
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, passed
 from lessonlib.results import Impl, Op, Regime
 
 
@@ -99,7 +99,7 @@ def _check(item: Item, fn) -> None:
     if abs(off) > item.band:
         raise ExerciseFailed(f"{verdict}.\nYour answers are right, but the recorded run lies outside the band: the "
                              "lesson's model no longer explains it. Tell the instructor.")
-    print("✓ " + verdict)
+    passed("✓ " + verdict)
     if live:  # informative: the band was reasoned for the recorded H200, though the same argument holds here
         predicted, measured = item.predict(**live), item.measure(**live)
         inside = "inside" if abs(measured / predicted - 1) <= item.band else "outside"

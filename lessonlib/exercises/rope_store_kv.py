@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from lessonlib import reference, runtime
-from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _require_kernel
+from lessonlib.exercises._checking import ExerciseFailed, _call, _diagnose, _inputs, _require_kernel, passed
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel, output_like
 from lessonlib.testing import to_float64
 
@@ -103,7 +103,7 @@ def check_rope_kernel(kernel) -> None:
                 _check_output_written("rope", out, truth, where)
                 cpu64 = [t.cpu() for t in to_float64(x, cos, sin)]
                 _diagnose("rope", out, truth, _rope_reference(x, cos, sin), lambda: _rope_mistakes(*cpu64), where)
-    print(f"rope: your kernel matches reference.apply_rope on {len(ROPE_CASES)} shapes (head_dim 2 to 80) in "
+    passed(f"rope: your kernel matches reference.apply_rope on {len(ROPE_CASES)} shapes (head_dim 2 to 80) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 
 
@@ -209,7 +209,7 @@ def check_rope_store_kv_kernel(kernel) -> None:
                 rotated_v = _rope_reference(v64, cos64, sin64)
                 _diagnose("rope_store_kv: the V in the cache", flat_v[slots], v64, v,
                           [("rotating V too gives: only Q and K carry positions; V is copied as it is", rotated_v)], where)
-    print(f"rope_store_kv: q rotated, K rotated and V copied into their slots, every other slot untouched, on "
+    passed(f"rope_store_kv: q rotated, K rotated and V copied into their slots, every other slot untouched, on "
           f"{len(ROPE_STORE_KV_CASES)} shapes in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from lessonlib.exercises._checking import ExerciseFailed
+from lessonlib.exercises._checking import ExerciseFailed, passed
 
 
 def check_can_admit(fn) -> None:
@@ -46,7 +46,7 @@ def check_can_admit(fn) -> None:
         want = can_admit(**args)
         if bool(got) != want:
             raise ExerciseFailed(f"can_admit{args} returned {got}, expected {want}: {hint}")
-    print(f"✓ can_admit agrees with the engine's rule on {len(hints)} situations")
+    passed(f"✓ can_admit agrees with the engine's rule on {len(hints)} situations")
 
 
 def check_top_p_filter(fn) -> None:
@@ -75,7 +75,7 @@ def check_top_p_filter(fn) -> None:
         if not torch.allclose(got, want, atol=1e-6):
             raise ExerciseFailed(f"top_p_filter({probs.tolist()[0][:5]}..., top_p={top_p.tolist()[0]:.3g}) gave "
                                  f"{got.tolist()[0][:5]}..., expected {want.tolist()[0][:5]}...: {hint}")
-    print(f"✓ top_p_filter keeps the nucleus and renormalises ({len(cases)} cases)")
+    passed(f"✓ top_p_filter keeps the nucleus and renormalises ({len(cases)} cases)")
 
 
 def check_prompt_chunks(fn) -> None:
@@ -119,4 +119,4 @@ def check_prompt_chunks(fn) -> None:
                                  "reach")
         if list(got) != want:
             raise ExerciseFailed(f"{call} returned {list(got)}, expected {want}: {hint}")
-    print(f"✓ prompt_chunks splits the budget as the engine does on {len(hints)} steps")
+    passed(f"✓ prompt_chunks splits the budget as the engine does on {len(hints)} steps")

@@ -20,7 +20,7 @@ import torch
 
 from lessonlib import runtime
 from lessonlib.exercises._checking import (ExerciseFailed, _describe, _diagnose, _named, _require_kernel,
-                                           _student_error)
+                                           _student_error, passed)
 from lessonlib.exercises._guards import Guards, launch_guards, launch_kernel
 
 SCALE_ADD_SIZES = (123, 7, 1, 1000)  # several blocks, a ragged last one (first: a late program shows); 1 element
@@ -155,7 +155,7 @@ def check_scale_add_kernel(kernel) -> None:
                     ("alpha * (x + y) gives: only x is scaled", alpha * (x64 + y64)),
                     ("x + alpha * y gives: alpha scales x, not y", x64 + alpha * y64),
                 ], _describe((x, y)) + f", alpha={alpha:.3f}")
-    print(f"✓ scale_add: your kernel is right for n = {', '.join(map(str, SCALE_ADD_SIZES))} (BLOCK = {block}) in "
+    passed(f"✓ scale_add: your kernel is right for n = {', '.join(map(str, SCALE_ADD_SIZES))} (BLOCK = {block}) in "
           f"{', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}, nothing stored past "
           "the end")
 
@@ -254,7 +254,7 @@ def check_transpose_kernel(kernel) -> None:
                 _transpose_nans(out, storage, x)
                 _diagnose("transpose", out, values.double().cpu().T, values.cpu().T,
                           lambda: _transpose_mistakes(storage, x), where)
-    print(f"✓ transpose: your kernel is right on x of shapes {', '.join(map(str, TRANSPOSE_SHAPES))} with padded "
+    passed(f"✓ transpose: your kernel is right on x of shapes {', '.join(map(str, TRANSPOSE_SHAPES))} with padded "
           f"rows (BLOCK_M = {b['BLOCK_M']}, BLOCK_N = {b['BLOCK_N']}), nothing stored outside out")
 
 
@@ -312,5 +312,5 @@ def check_row_sum_kernel(kernel) -> None:
                                          "the checker fills it). Fill in the kernel body.")
                 _diagnose("row_sum", out, x.double().cpu().sum(1), x.float().sum(1).cpu(),
                           lambda: _row_sum_mistakes(x, storage, block_n), where)
-    print(f"✓ row_sum: your kernel is right on x of shapes {', '.join(map(str, ROW_SUM_SHAPES))} with padded rows "
+    passed(f"✓ row_sum: your kernel is right on x of shapes {', '.join(map(str, ROW_SUM_SHAPES))} with padded rows "
           f"(BLOCK_N = {block_n}) in {', '.join(str(d).removeprefix('torch.') for d in runtime.supported_dtypes())}")

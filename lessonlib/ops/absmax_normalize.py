@@ -41,7 +41,8 @@ def _absmax_partials_kernel(
     pid, programs = tl.program_id(0), tl.num_programs(0)
     offsets = tl.arange(0, BLOCK)
     amax = tl.zeros((BLOCK,), dtype=tl.float32)
-    for start in range(pid * BLOCK, n, programs * BLOCK):  # a grid-stride loop: at most MAX_PARTIALS partials
+    # a grid-stride loop: at most MAX_PARTIALS partials
+    for start in range(pid * BLOCK, n, programs * BLOCK):
         x = tl.load(x_ptr + start + offsets, mask=start + offsets < n, other=0.0)
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     tl.store(partials_ptr + pid, tl.max(amax, axis=0))
@@ -50,7 +51,8 @@ def _absmax_partials_kernel(
 @triton.jit
 def _absmax_scale_kernel(
     x_ptr,  # (n,) contiguous
-    partials_ptr,  # (n_partials,) float32, written by the previous launch: complete, since it has ended
+    # (n_partials,) float32, written by the previous launch: complete, since it has ended
+    partials_ptr,
     out_ptr,  # (n,) contiguous
     n,
     n_partials,
@@ -58,7 +60,8 @@ def _absmax_scale_kernel(
     BLOCK_PARTIALS: tl.constexpr,  # next power of 2 >= n_partials
 ):
     p = tl.arange(0, BLOCK_PARTIALS)
-    amax = tl.max(tl.load(partials_ptr + p, mask=p < n_partials, other=0.0), axis=0)  # every program, from L2
+    # every program, from L2
+    amax = tl.max(tl.load(partials_ptr + p, mask=p < n_partials, other=0.0), axis=0)
     amax = tl.where(amax > 0, amax, 1.0)
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offsets, mask=offsets < n).to(tl.float32)
@@ -79,9 +82,11 @@ def _absmax_one_program_kernel(
         amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
     total = tl.max(amax, axis=0)
     total = tl.where(total > 0, total, 1.0)
-    for start in range(0, n, BLOCK):  # second pass: x read again (it does not fit in one program's registers)
+    # second pass: x read again (it does not fit in one program's registers)
+    for start in range(0, n, BLOCK):
         x = tl.load(x_ptr + start + offsets, mask=start + offsets < n).to(tl.float32)
-        tl.store(out_ptr + start + offsets, (x / total).to(out_ptr.dtype.element_ty), mask=start + offsets < n)
+        tl.store(out_ptr + start + offsets, (x / total).to(out_ptr.dtype.element_ty),
+                 mask=start + offsets < n)
 
 
 def block_for(n: int) -> int:

@@ -51,9 +51,9 @@ ELEMENTS_PER_WARP = 2048
 
 @triton.jit
 def _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype: tl.constexpr):
-    """h = x + residual on these columns, stored as the updated residual; returned in float32. The sum is rounded
-    to the input dtype first: that *is* the residual stream, and the statistics are taken over it, exactly as the
-    reference does."""
+    """h = x + residual on these columns, stored as the updated residual; returned in float32. The
+    sum is rounded to the input dtype first: that *is* the residual stream, and the statistics are
+    taken over it, exactly as the reference does."""
     x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     r = tl.load(residual_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     h = (x + r).to(dtype)
@@ -63,7 +63,7 @@ def _add_residual(x_ptr, residual_ptr, residual_out_ptr, cols, mask, dtype: tl.c
 
 @triton.jit
 def _normalize(h, rstd, weight_ptr, out_ptr, cols, mask, dtype: tl.constexpr):
-    """weight * (h * rstd) on these columns, stored; h * rstd is rounded to the dtype first, as the reference does."""
+    """weight * (h * rstd), stored; h * rstd rounded to the dtype first, as the reference does."""
     w = tl.load(weight_ptr + cols, mask=mask).to(tl.float32)
     out = (h * rstd).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + cols, out.to(dtype), mask=mask)
@@ -82,7 +82,7 @@ def _add_rms_norm_kernel(
     eps,
     BLOCK: tl.constexpr,  # columns handled at a time; the whole row when ONE_PASS
     ONE_PASS: tl.constexpr,  # n_cols <= BLOCK: keep the row in registers
-    PDL: tl.constexpr = False,  # launched with programmatic dependent launch (ops._common.pdl_options)
+    PDL: tl.constexpr = False,  # programmatic dependent launch (ops._common.pdl_options)
 ):
     pdl_wait_then_trigger(PDL)
     row = tl.program_id(0).to(tl.int64)

@@ -31,10 +31,12 @@ def _rotate_heads(
     stride_xh,
     stride_out_h,
     half,  # head_dim // 2
-    cos1, cos2, sin1, sin2,  # (BLOCK_D,) float32: the two halves of this position's cos and sin rows
+    # (BLOCK_D,) float32: the two halves of this position's cos and sin rows
+    cos1, cos2, sin1, sin2,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    INVERSE: tl.constexpr,  # rotate by minus the angle: the backward (the transpose of the rotation)
+    # rotate by minus the angle: the backward (the transpose of the rotation)
+    INVERSE: tl.constexpr,
 ):
     d = tl.arange(0, BLOCK_D)[None, :]
     for h0 in range(0, n_heads, BLOCK_H):
@@ -45,7 +47,8 @@ def _rotate_heads(
         x1 = tl.load(x_row, mask=mask).to(tl.float32)
         x2 = tl.load(x_row + half, mask=mask).to(tl.float32)
         if INVERSE:
-            # The transpose of the map below: out1 takes what x1 fed (x1 * cos1 and x1 * sin2), out2 what x2 fed.
+            # The transpose of the map below: out1 takes what x1 fed (x1 * cos1 and x1 * sin2), out2
+            # what x2 fed.
             out1 = x1 * cos1 + x2 * sin2
             out2 = x2 * cos2 - x1 * sin1
         else:
@@ -84,11 +87,13 @@ def _apply_rope_kernel(
     sin2 = tl.load(sin_row + half + d, mask=dmask).to(tl.float32)[None, :]
     _rotate_heads(
         q_ptr + b * stride_qb + t * stride_qt, q_out_ptr + b * stride_q_out_b + t * stride_q_out_t,
-        n_q_heads, stride_qh, stride_q_out_h, half, cos1, cos2, sin1, sin2, BLOCK_HQ, BLOCK_D, INVERSE,
+        n_q_heads, stride_qh, stride_q_out_h, half, cos1, cos2, sin1, sin2,
+        BLOCK_HQ, BLOCK_D, INVERSE,
     )
     _rotate_heads(
         k_ptr + b * stride_kb + t * stride_kt, k_out_ptr + b * stride_k_out_b + t * stride_k_out_t,
-        n_kv_heads, stride_kh, stride_k_out_h, half, cos1, cos2, sin1, sin2, BLOCK_HK, BLOCK_D, INVERSE,
+        n_kv_heads, stride_kh, stride_k_out_h, half, cos1, cos2, sin1, sin2,
+        BLOCK_HK, BLOCK_D, INVERSE,
     )
 
 

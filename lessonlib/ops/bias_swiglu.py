@@ -29,12 +29,14 @@ def _bias_swiglu_kernel(
     n_cols,
     stride_gate_row,
     stride_up_row,
-    BLOCK: tl.constexpr,  # columns per program: swiglu's sweep (the same bytes per element, plus the bias rows)
+    # columns per program: swiglu's sweep (the same bytes per element, plus the bias rows)
+    BLOCK: tl.constexpr,
 ):
     row, cols, mask = _this_programs_block(n_cols, BLOCK)
     gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
-    # The bias rows are n_cols elements for all n_rows rows: after the first rows they come from L2, not DRAM.
+    # The bias rows are n_cols elements for all n_rows rows: after the first rows they come from L2,
+    # not DRAM.
     gate = gate + tl.load(gate_bias_ptr + cols, mask=mask).to(tl.float32)
     up = up + tl.load(up_bias_ptr + cols, mask=mask).to(tl.float32)
     out = gate * tl.sigmoid(gate) * up  # in float32, rounded once on the store

@@ -50,10 +50,12 @@ def _dequant_matmul_kernel(
         k_ok = (k0 + ks) < K
         x = tl.load(x_tile + k0, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_tile + k0, mask=col_ok[:, None] & k_ok[None, :], other=0)
-        w = w.to(x.dtype)  # int8 -> float16/bfloat16/float32: exact, in registers; 16 bits never reach memory
+        # int8 -> float16/bfloat16/float32: exact, in registers; 16 bits never reach memory
+        w = w.to(x.dtype)
         acc = tl.dot(x, tl.trans(w), acc, input_precision=INPUT_PRECISION)
     scales = tl.load(scales_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    out = acc * scales[None, :]  # the per-output-channel scale, once per output instead of once per weight
+    # the per-output-channel scale, once per output instead of once per weight
+    out = acc * scales[None, :]
     out_tile = out_ptr + rows[:, None].to(tl.int64) * N + cols[None, :]
     tl.store(out_tile, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 

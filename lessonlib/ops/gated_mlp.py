@@ -17,12 +17,15 @@ from lessonlib.reference import GatedMLP
 class FusedGatedMLP(nn.Module):
     def __init__(self, mlp: GatedMLP):
         super().__init__()
-        weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0)  # (2I, H): gate rows, then up rows
-        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        # (2I, H): gate rows, then up rows
+        weight = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], dim=0)
+        self.gate_up_proj = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                      device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.gate_up_proj.weight.copy_(weight)
         self.down_proj = mlp.down_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # two (..., I) views, rows 2I apart: no copy
+        # two (..., I) views, rows 2I apart: no copy
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
         return self.down_proj(swiglu(gate, up))

@@ -34,11 +34,13 @@ BLOCK = 2048
 
 @triton.jit
 def _this_programs_block(n_cols, BLOCK: tl.constexpr):
-    """This program's row and BLOCK columns. A 1-D grid walked row by row: programs launched together touch
-    neighbouring memory. (A 2-D grid of (rows, column blocks) sends them to different rows instead.)"""
+    """This program's row and BLOCK columns. A 1-D grid walked row by row: programs launched
+    together touch neighbouring memory. (A 2-D grid of (rows, column blocks) sends them to different
+    rows instead.)"""
     pid = tl.program_id(0)
     blocks_per_row = tl.cdiv(n_cols, BLOCK)
-    row = (pid // blocks_per_row).to(tl.int64)  # int64: row * stride can pass 2**31 on large activations
+    # int64: row * stride can pass 2**31 on large activations
+    row = (pid // blocks_per_row).to(tl.int64)
     cols = (pid % blocks_per_row) * BLOCK + tl.arange(0, BLOCK)
     return row, cols, cols < n_cols
 
@@ -78,19 +80,22 @@ def _swiglu_backward_kernel(
     grad = tl.load(grad_ptr + row * stride_grad_row + cols, mask=mask).to(tl.float32)
     gate = tl.load(gate_ptr + row * stride_gate_row + cols, mask=mask).to(tl.float32)
     up = tl.load(up_ptr + row * stride_up_row + cols, mask=mask).to(tl.float32)
-    sig = tl.sigmoid(gate)  # recomputed, not saved: a few FLOPs instead of a (T, I) tensor kept and re-read
+    # recomputed, not saved: a few FLOPs instead of a (T, I) tensor kept and re-read
+    sig = tl.sigmoid(gate)
     silu = gate * sig
     # d silu(g) / dg = sig + g * sig * (1 - sig) = sig * (1 + g * (1 - sig))
     grad_gate = grad * up * sig * (1.0 + gate * (1.0 - sig))
     grad_up = grad * silu
-    tl.store(grad_gate_ptr + row * n_cols + cols, grad_gate.to(grad_gate_ptr.dtype.element_ty), mask=mask)
+    tl.store(grad_gate_ptr + row * n_cols + cols, grad_gate.to(grad_gate_ptr.dtype.element_ty),
+             mask=mask)
     tl.store(grad_up_ptr + row * n_cols + cols, grad_up.to(grad_up_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
     check_tensors("swiglu", gate=gate, up=up)
     if gate.shape != up.shape:
-        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} and {tuple(up.shape)}")
+        raise ValueError(f"swiglu: gate and up must have the same shape, got {tuple(gate.shape)} "
+                         f"and {tuple(up.shape)}")
     if gate.dim() == 0:
         raise ValueError("swiglu: expected tensors with at least one dimension, got scalars")
 
@@ -173,7 +178,7 @@ def swiglu_backward(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor
     return grad_gate, grad_up
 
 
-# --- the op: torch.ops.lessonlib.swiglu, with a fake implementation and a gradient ------------------------------
+# --- the op: torch.ops.lessonlib.swiglu, with a fake implementation and a gradient ----------------
 
 @torch.library.custom_op("lessonlib::swiglu", mutates_args=())
 def _swiglu_op(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -187,7 +192,8 @@ def _(gate, up):
 
 
 @torch.library.custom_op("lessonlib::swiglu_backward", mutates_args=())
-def _swiglu_backward_op(grad_out: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _swiglu_backward_op(grad_out: torch.Tensor, gate: torch.Tensor,
+                       up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return swiglu_backward(grad_out, gate, up)
 
 
@@ -198,12 +204,14 @@ def _(grad_out, gate, up):
 
 
 def _save_for_backward(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)  # gate and up: alive anyway (the GEMM's output), so saving them costs nothing
+    # gate and up: alive anyway (the GEMM's output), so saving them costs nothing
+    ctx.save_for_backward(*inputs)
 
 
 def _backward(ctx, grad_out):
     gate, up = ctx.saved_tensors
-    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.clone(memory_format=torch.contiguous_format)
+    if grad_out.stride(-1) != 1:
+        grad_out = grad_out.clone(memory_format=torch.contiguous_format)
     return torch.ops.lessonlib.swiglu_backward(grad_out, gate, up)
 
 
@@ -212,12 +220,13 @@ _SWIGLU = torch.ops.lessonlib.swiglu.default
 
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up, fused, with a gradient: the op a model calls (``lessonlib.reference.swiglu``'s twin).
+    """silu(gate) * up, fused, with a gradient: the op a model calls
+    (``lessonlib.reference.swiglu``'s twin).
 
-    gate, up: (..., I) of one shape; rows may be strided, the last dimension must be contiguous. Goes through the
-    custom op ``torch.ops.lessonlib.swiglu`` when autograd must record it (an input requires grad, with grad
-    enabled) or torch.compile traces it; otherwise straight to :func:`swiglu_forward` (the dispatcher would add
-    host time to every decode-size call)."""
+    gate, up: (..., I) of one shape; rows may be strided, the last dimension must be contiguous.
+    Goes through the custom op ``torch.ops.lessonlib.swiglu`` when autograd must record it (an input
+    requires grad, with grad enabled) or torch.compile traces it; otherwise straight to
+    :func:`swiglu_forward` (the dispatcher would add host time to every decode-size call)."""
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
             getattr(gate, "requires_grad", False) or getattr(up, "requires_grad", False))):
         return _SWIGLU(gate, up)

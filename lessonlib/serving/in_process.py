@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
+import tempfile
+from contextlib import contextmanager
 
 import torch
 
@@ -24,7 +27,34 @@ def start_engine(model: str | None = None, block_size: int | None = None, **over
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM
 
-    return LLM(**{**engine_settings(model or choose_model(), block_size), **overrides})
+    with _without_numa_notice():
+        return LLM(**{**engine_settings(model or choose_model(), block_size), **overrides})
+
+
+NUMA_NOTICE = "NUMA binding: Using"  # vLLM's CPU worker, binding its memory: "... Using MEMBIND policy ..."
+
+
+@contextmanager
+def _without_numa_notice():
+    """Start an engine with every line it writes to stderr passed on but one: on CPU, vLLM's worker binds its memory
+    to a NUMA node and says so in a 220-character line at each start (a C++ TORCH_WARN from its
+    ``init_cpu_memory_env``, written straight to file descriptor 2: no Python warning filter or vLLM log level
+    reaches it, and PyTorch reads TORCH_CPP_LOG_LEVEL only when it loads). Nothing a student acts on; JupyterLab
+    would break it across three lines. The rest of fd 2 (and all of ``sys.stderr``) is shown as written."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            held.seek(0)
+            for line in held.read().decode(errors="replace").splitlines(keepends=True):
+                if NUMA_NOTICE not in line:
+                    sys.stderr.write(line)
+            sys.stderr.flush()
 
 
 _running: tuple[dict, object] | None = None  # (settings, engine) of the one engine this process holds
