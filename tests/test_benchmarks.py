@@ -391,7 +391,7 @@ def test_bench_serving_smoke_loads_the_server_at_each_rate_and_records_the_peers
 
 
 def test_bench_serving_reports_what_vllm_bench_serve_reports_on_hand_made_requests():
-    import bench_serving
+    from benchmarks import bench_serving
 
     # three requests: TTFT 0.5, 1.0 and 3.0 s; 5 tokens each over E2EL 0.9, 1.8, 3.2 s: TPOT 0.1, 0.2, 0.05 s
     finished = [{"ttft": 0.5, "e2e": 0.9, "tokens": 5}, {"ttft": 1.0, "e2e": 1.8, "tokens": 5},
