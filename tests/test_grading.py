@@ -422,7 +422,11 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
         nbgrader(course, "generate_assignment", assignment)
         released = nbformat.read(course / "release" / assignment / f"{assignment}.ipynb", as_version=4)
         committed = json.loads((NOTEBOOKS / "student" / f"{assignment}.ipynb").read_text())
-        # The committed student copy is nbgrader's release with the student copy's own Colab/Binder badges.
+        # The committed student copy is nbgrader's release with the student copy's own Colab/Binder badges and its
+        # links as they resolve from notebooks/student/.
+        for cell in released.cells:
+            if cell.cell_type == "markdown":
+                cell.source = make_student_notebooks.one_folder_down(cell.source)
         course_links.with_badges(released, course_links.course(), f"notebooks/student/{assignment}.ipynb")
         assert without_gradebook_fields(released) == committed
         for student, source in (("alice", NOTEBOOKS / f"{assignment}.ipynb"),
