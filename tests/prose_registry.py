@@ -460,6 +460,12 @@ def hint_count(name: str) -> int:
     return len(hints.HINTS[name])
 
 
+def forward_techniques_below_lessonlib() -> bool:
+    """Every timed configuration of the Hopper forward techniques below lessonlib's forward, in the same run."""
+    return all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
+               for t in technique_tflops(Op.FORWARD, i, False))
+
+
 def two_kernel_best_over_default() -> float:
     """The two-kernel backward's best configuration over its default, the larger of full and causal."""
     schedules = run("flash-attention-schedules-h200")
@@ -565,8 +571,7 @@ LESSON_02 = (
                       for s in (BUDGET, BUDGET_64)), "no variant below the loop by more than the noise"),
     Holds("02_flash_attention", "missing-time-read", "and neither did Hopper's bulk tile copies (TMA), Triton 3.6's "
           "automatic warp specialization or a persistent grid",
-          lambda: all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
-                      for t in technique_tflops(Op.FORWARD, i, False)),
+          forward_techniques_below_lessonlib,
           "every timed configuration of the three techniques below lessonlib's forward in the same run"),
     Given("02_flash_attention", "launch-bound-lead", "the news item's \"up to 70%\"", QUOTED),
     Given("02_flash_attention", "launch-bound-lead", "\"cutting kernel launch overhead by up to 70%\"", QUOTED),
@@ -588,8 +593,7 @@ LESSON_02 = (
     Given(APPENDIX, "schedules-lead", "lessonlib's two kernels (dK and dV per key tile, then dQ per query "
           "tile", "a count of the backward's kernels, named as the cell names them"),
     Holds(APPENDIX, "schedules-read", "None of the three makes the loop faster than lessonlib's kernel",
-          lambda: all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
-                      for t in technique_tflops(Op.FORWARD, i, False)),
+          forward_techniques_below_lessonlib,
           "every timed configuration of the three techniques below lessonlib's forward in the same run"),
     Holds(APPENDIX, "schedules-read", "the atomic schedule's best is slower than the two kernels' best, "
           "full and causal",
@@ -601,8 +605,7 @@ LESSON_02 = (
     Given(APPENDIX, "schedules-read", "thousands of equal tiles",
           "B·H·N/BLOCK_M = 2·32·4096/128 = 2,048 query tiles at the shape timed"),
     Holds(APPENDIX, "schedules-read", "the readable forward loop is also the fastest Triton 3.6 forward found here",
-          lambda: all(t < schedules_lessonlib_forward() for i in FORWARD_TECHNIQUES
-                      for t in technique_tflops(Op.FORWARD, i, False)),
+          forward_techniques_below_lessonlib,
           "lessonlib's forward above every timed forward technique of the run"),
     Holds(APPENDIX, "flash-loop-variants", "It has to run about as fast as lessonlib's own kernel (printed below; "
           "a few percent is the spread between two timings)",

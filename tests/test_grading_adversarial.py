@@ -13,7 +13,6 @@ import csv
 import os
 import shutil
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import pytest
 
 from lessonlib import grading
 from lessonlib.grading import sandbox
+from tests.test_grading_sandbox import trimmed
 
 ROOT = Path(__file__).resolve().parents[1]
 FUSION = "01_operator_fusion.ipynb"
@@ -201,17 +201,6 @@ def detached(out: Path) -> str:
             "time.sleep(3)\nopen(p, 'w').write('student,total\\nforger,99\\n')  # detached-forger-marker\n")
     return (f"import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', {code!r}], start_new_session=True,"
             " stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)\n")
-
-
-def trimmed(notebook, solutions):
-    copy = nbformat.from_dict(notebook)
-    setup = next(i for i, c in enumerate(copy.cells) if "lessonlib.exercises import" in c.source)
-    keep = set(range(setup + 1))
-    for i, c in enumerate(copy.cells):
-        if c.metadata.get("nbgrader", {}).get("solution") and c.metadata["nbgrader"]["grade_id"] in solutions:
-            keep |= {i - 1, i, i + 1}
-    copy.cells = [c for i, c in enumerate(copy.cells) if i in keep]
-    return copy
 
 
 def appended(notebook, solution_id: str, source: str):
