@@ -7,7 +7,7 @@ vocabulary 128256, tied embeddings; built here with transformers' LlamaConfig, n
 local checkpoint the engine loads. 128-token random prompts, 128 new tokens (greedy, no early stop), batch 1, 8, 32.
 Peers in the same run: transformers ``generate`` with its default dynamic cache (eager), and with its static cache
 (``cache_implementation="static"``, which compiles the forward; warmed up at the timed shapes first), and the
-engine with and without CUDA graphs (``enforce_eager=True``, which keeps asynchronous scheduling), the engine with
+engine with and without CUDA graphs (``Features(cuda_graphs=False)``, which keeps asynchronous scheduling), the engine with
 CUDA graphs but the host waiting for each step's tokens before scheduling the next
 (``Features(async_scheduling=False)``), and at batch 1 the engine with CUDA graphs but cuBLAS for its projections
 (``Features(gemv=False)``: what ``ops.gemv`` and its programmatic dependent launch give) and with its batch-1 decode
@@ -269,7 +269,7 @@ def benchmark(run, out, folder, started, qwen=False, ladder=True):
     max_len = prompt_len + new_tokens + 16
     engines = {Impl.ENGINE_GRAPHS: LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len)}
     engines[Impl.ENGINE_EAGER] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches), max_model_len=max_len,
-                                     enforce_eager=True)
+                                     features=Features(cuda_graphs=False))
     if engines[Impl.ENGINE_GRAPHS].cuda_graphs:
         engines[Impl.ENGINE_GRAPHS_SYNC] = LLM(path, dtype=run.dtype, max_num_seqs=max(batches),
                                                max_model_len=max_len, features=Features(async_scheduling=False))

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lessonlib import runtime, serving, tiny_model
-from lessonlib.engine import LLM, SamplingParams, can_admit, top_p_filter
+from lessonlib.engine import LLM, Features, SamplingParams, can_admit, top_p_filter
 from tests.engine_fixtures import llm, path  # noqa: F401 (fixtures)
 
 PREFIX = ("Attention reads every key and value of a sequence for every query. The score matrix grows with the "
@@ -176,7 +176,6 @@ def test_async_scheduling_gives_the_synchronous_tokens_and_cache(path):
     the prefix cache and found by a later prompt, nothing left allocated."""
     from dataclasses import replace
 
-    from lessonlib.engine import Features
 
     engines = {name: LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, num_blocks=32, max_model_len=256,
                          features=Features(async_scheduling=name == "ahead")) for name in ("sync", "ahead")}
@@ -236,7 +235,6 @@ def test_scheduling_ahead_keeps_the_synchronous_schedule(path, scenario):
     features (the scheduling is what is tested; each step is fast)."""
     from dataclasses import replace
 
-    from lessonlib.engine import Features
     from lessonlib.engine.features import PLAIN_PYTORCH
 
     if scenario == "stop token" and runtime.on_gpu():
@@ -388,7 +386,8 @@ def test_the_batch_1_summary_reads_the_recorded_run():
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
 def test_cuda_graphs_give_the_eager_tokens(path):
     graphs = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256)
-    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256, enforce_eager=True)
+    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=8, max_model_len=256,
+                features=Features(cuda_graphs=False))
     assert graphs.cuda_graphs and not eager.cuda_graphs
     prompts = ["Hello, my name is", PREFIX, "The capital of France is Paris."]  # 3 rows: the graph of 4 pads one
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -467,22 +466,24 @@ def test_the_plain_rung_calls_no_lessonlib_kernel(path, monkeypatch):
     assert_same_tokens(outs, transformers_greedy(path, prompts, 3), prompts)
 
 
-def test_features_are_checked_and_enforce_eager_turns_graphs_off(path):
-    from lessonlib.engine import Features
+def test_features_are_checked_and_check_kernels_turns_graphs_off(path):
 
     with pytest.raises(TypeError, match="fused_ops must be a bool"):
         Features(fused_ops=1)
     with pytest.raises(TypeError, match="features must be"):
         LLM(model=str(path), dtype=DTYPE, features={"fused_ops": False})
-    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=64, enforce_eager=True,
+    eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=64, check_kernels=True,
                 features=Features(fused_ops=False))
     assert eager.features == Features(fused_ops=False, cuda_graphs=False) and not eager.cuda_graphs
+    from lessonlib.engine.serve.__main__ import parse_args  # the server's flag is vLLM's name for the same switch
+
+    assert not parse_args(["--model", str(path), "--enforce-eager"]).features.cuda_graphs
+    assert parse_args(["--model", str(path)]).features.cuda_graphs
 
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")
 def test_every_rung_on_the_gpu_gives_the_same_tokens(path):
     from lessonlib.cases.serving_engine import ladder, run_ladder
-    from lessonlib.engine import Features
 
     # The GPU rungs, "+ CUDA graphs" included, and gather-then-SDPA decode replayed from graphs (not a rung: it
     # checks that path captures, with the whole block table and padding rows). In 16 bits each rung sums in its own

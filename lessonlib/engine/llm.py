@@ -1,6 +1,6 @@
 """``LLM``: vLLM's offline interface over the engine's parts (scheduler, block manager, model runner, sampler).
 
-    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, enforce_eager=False, features=Features(),
+    llm = LLM(model=path, dtype=None, block_size=16, max_num_seqs=64, features=Features(),  # Features(cuda_graphs=False): eager
               check_kernels=False)  # True: eager, each step's block tables checked first (engine/checks.py)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=64))
     outs[i].outputs[0].token_ids, outs[i].outputs[0].text
@@ -81,7 +81,7 @@ class StepRecord:
 class LLM:
     def __init__(self, model: str | Path, dtype: torch.dtype | str | None = None, block_size: int = 16,
                  max_num_seqs: int = 64, max_model_len: int | None = None, num_blocks: int | None = None,
-                 max_num_batched_tokens: int | None = None, enforce_eager: bool = False,
+                 max_num_batched_tokens: int | None = None,
                  features: Features | None = None, check_kernels: bool = False):
         path = Path(model)
         for name, value in (("max_model_len", max_model_len), ("num_blocks", num_blocks)):
@@ -90,7 +90,7 @@ class LLM:
         if features is not None and not isinstance(features, Features):
             raise TypeError(f"features must be a lessonlib.engine.Features, got {type(features).__name__}")
         features = features or Features()
-        if enforce_eager or check_kernels:  # vLLM's switch, kept: no CUDA graphs (check_kernels: see checks.py)
+        if check_kernels:  # each step checked on the host first (checks.py): no CUDA graphs
             features = replace(features, cuda_graphs=False)
         self.check_kernels = bool(check_kernels)
         self.config = config = ModelConfig.from_folder(path)

@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--num-gpu-blocks-override", type=int, default=None, dest="num_blocks",
                         help="the KV pool's size in blocks (default: what memory allows)")
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (Features.cuda_graphs off)")
     parser.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--plain-pytorch", action="store_true",
                         help="every course kernel off (the ladder's first rung): the CPU tests' fast server")
@@ -34,13 +34,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if not Path(args.model).is_dir():
         parser.error(f"--model {args.model}: not a folder (the server loads local checkpoints only)")
-    args.features = features(args.enable_chunked_prefill, args.plain_pytorch)
+    args.features = features(args.enable_chunked_prefill, args.plain_pytorch, cuda_graphs=not args.enforce_eager)
     return args
 
 
-def features(chunked_prefill: bool | None, plain_pytorch: bool = False) -> Features:
-    """The engine's switches for this server: the defaults (or every kernel off), with chunked prefill as asked."""
+def features(chunked_prefill: bool | None, plain_pytorch: bool = False, cuda_graphs: bool = True) -> Features:
+    """The engine's switches for this server: the defaults (or every kernel off), with chunked prefill as asked and
+    CUDA graphs off if asked (vLLM's ``--enforce-eager``)."""
     base = PLAIN_PYTORCH if plain_pytorch else Features()
+    base = dataclasses.replace(base, cuda_graphs=base.cuda_graphs and cuda_graphs)
     if chunked_prefill is None:
         return base
     return dataclasses.replace(base, chunked_prefill=chunked_prefill)
@@ -54,8 +56,7 @@ def main(argv=None) -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, num_blocks=args.num_blocks,
-              max_num_batched_tokens=args.max_num_batched_tokens, enforce_eager=args.enforce_eager,
-              features=args.features)
+              max_num_batched_tokens=args.max_num_batched_tokens, features=args.features)
     engine = AsyncLLM(llm)
     app = build_app(engine, args.served_model_name or args.model)
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1", flush=True)
