@@ -130,12 +130,14 @@ def kernel_calls(path: str, kernel: str, call: str) -> int:
 
 def saves_only_inputs_and_outputs() -> bool:
     """add_rms_norm's autograd node keeps nothing but tensors the call already has (its inputs and outputs): run on
-    the CPU (Triton's interpreter) on a small case, its saved tensors compared by storage."""
+    this machine's device (a GPU, or the CPU through Triton's interpreter) on a small case, its saved tensors compared
+    by storage."""
     import torch
 
-    from lessonlib import ops
+    from lessonlib import ops, runtime
 
-    x, residual, weight = (torch.randn(s, requires_grad=True) for s in ((3, 8), (3, 8), (8,)))
+    x, residual, weight = (torch.randn(s, device=runtime.device(), requires_grad=True)
+                           for s in ((3, 8), (3, 8), (8,)))
     outputs = ops.add_rms_norm(x, residual, weight)
     had = {t.data_ptr() for t in (*outputs, x, residual, weight)}
     saved = outputs[0].grad_fn.saved_tensors

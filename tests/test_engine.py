@@ -475,10 +475,6 @@ def test_features_are_checked_and_check_kernels_turns_graphs_off(path):
     eager = LLM(model=str(path), dtype=DTYPE, max_num_seqs=2, max_model_len=64, check_kernels=True,
                 features=Features(fused_ops=False))
     assert eager.features == Features(fused_ops=False, cuda_graphs=False) and not eager.cuda_graphs
-    from lessonlib.engine.serve.__main__ import parse_args  # the server's flag is vLLM's name for the same switch
-
-    assert not parse_args(["--model", str(path), "--enforce-eager"]).features.cuda_graphs
-    assert parse_args(["--model", str(path)]).features.cuda_graphs
 
 
 @pytest.mark.skipif(not runtime.on_gpu(), reason="CUDA graphs need a GPU")

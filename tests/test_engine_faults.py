@@ -255,6 +255,7 @@ def bos_path(path, tmp_path_factory):
 
 
 def test_a_chat_prompt_holds_the_templates_bos_once(bos_path):
+    pytest.importorskip("fastapi", reason="the server is the optional 'serve' extra (pip install lessonlib[serve])")
     from lessonlib.engine.serve.app import _checked
     from lessonlib.engine.serve.protocol import ChatCompletionRequest, chat_turns
 

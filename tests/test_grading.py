@@ -21,6 +21,7 @@ import nbformat
 import pytest
 
 from lessonlib import grading
+from tests.grading_helpers import sandbox_or_skip
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -202,6 +203,7 @@ def test_plan_runs_each_pristine_checker_right_after_its_solution(name):
 @pytest.fixture(scope="module")
 def trimmed_run(tmp_path_factory):
     """One grading run of trimmed notebook 03 over every kind of submission the issue lists."""
+    sandbox_or_skip()
     base = tmp_path_factory.mktemp("trimmed")
     instructor = trimmed(PAGED)
     course = write(base / "course", instructor).parent
@@ -340,6 +342,7 @@ def test_a_submission_writes_only_inside_its_scratch_folder(trimmed_run):
 def real_submissions(tmp_path_factory):
     """The full notebooks 03 and 05: the instructor's (full points), the committed student copy (zero), and one
     wrong answer per exercise."""
+    sandbox_or_skip()
     base = tmp_path_factory.mktemp("real")
     subs = base / "submissions"
     for name in (PAGED, GRAPHS):
@@ -371,6 +374,7 @@ def test_real_notebooks_full_points_and_zero(real_submissions):
 
 def test_command_line(tmp_path):
     """`python -m lessonlib.grading` on a folder: the CSV next to it; a bad folder is refused with a message."""
+    sandbox_or_skip()
     write(tmp_path / "subs" / "ann", nbformat.v4.new_notebook(), PAGED)  # a notebook with no cells at all
     result = subprocess.run([sys.executable, "-m", "lessonlib.grading", str(tmp_path / "subs"), "--cell-timeout", "60"],
                             capture_output=True, text=True, timeout=300)
@@ -457,6 +461,7 @@ def test_nbgrader_generate_assignment_and_autograde(tmp_path):
 
 def test_a_notebook_past_its_time_limit_is_stopped(tmp_path):
     """The per-notebook limit holds even when no single cell reaches the per-cell one."""
+    sandbox_or_skip()
     instructor = trimmed(PAGED)
     course = write(tmp_path / "course", instructor).parent
     slow = edited(instructor, my_physical_slot=cell(instructor, "my_physical_slot").source + (

@@ -9,7 +9,7 @@ import torch
 
 from lessonlib import exercises, runtime, traffic
 from lessonlib.exercises import ExerciseFailed
-from tests.test_kernel_exercises import define, gen, mutated, solution_source
+from tests.test_kernel_exercises import define, gen, mutated, observed, solution_source
 
 NOTEBOOK = "00_setup_and_roofline.ipynb"
 PUZZLES = {  # name: (checker, kernel defined by the solution cell)
@@ -30,7 +30,8 @@ def test_solution_passes_stub_and_bypass_fail(puzzle, capsys):
     check, name = PUZZLES[puzzle]
     source = solution_source(NOTEBOOK, name)
     check(kernel(source, name))
-    assert capsys.readouterr().out.startswith(f"✓ {puzzle}:")
+    out = capsys.readouterr().out  # on a GPU the first guarded check says once what a GPU run cannot see
+    assert out.startswith(f"✓ {puzzle}:") or out.startswith("(On a GPU") and f"\n✓ {puzzle}:" in out, out
     with pytest.raises(ExerciseFailed, match="not implemented yet"):
         check(kernel(gen.strip_solutions(source), name))
     with pytest.raises(ExerciseFailed, match="pass your @triton.jit kernel"):
@@ -39,7 +40,8 @@ def test_solution_passes_stub_and_bypass_fail(puzzle, capsys):
 
 PLANTED = [  # puzzle, (old, new), what the message must name
     ("scale_add", ("(alpha * x + y).to(out_ptr.dtype.element_ty), mask=mask)", "(alpha * x + y).to(out_ptr.dtype.element_ty))"),
-     "outside out were written.*line 14 of my_scale_add_kernel.*mask=offsets < n"),
+     observed("outside out were written.*line 14 of my_scale_add_kernel.*mask=offsets < n",
+              r"stored \d+ values outside out .*mask=offsets < n")),
     ("scale_add", ("offsets = tl.program_id(0) * BLOCK", "offsets = (tl.program_id(0) + 1) * BLOCK"),
      "one program late"),
     ("scale_add", ("offsets = tl.program_id(0) * BLOCK + tl.arange", "offsets = tl.program_id(0) + tl.arange"),
@@ -47,7 +49,8 @@ PLANTED = [  # puzzle, (old, new), what the message must name
     ("scale_add", ("(alpha * x + y)", "(x + y)"), "ignores alpha"),
     ("transpose", ("rows[:, None] * stride_xm", "rows[:, None] * N"), "loaded x's padding.*stride_xm"),
     ("transpose", ("mask = (rows[:, None] < M) & (cols[None, :] < N)", "mask = cols[None, :] < N"),
-     "outside out were written.*missing mask.*both dimensions"),
+     observed("outside out were written.*missing mask.*both dimensions",
+              r"stored \d+ values outside out's \(N, M\) elements.*both dimensions")),
     ("transpose", ("rows = tl.program_id(0) * BLOCK_M", "rows = tl.program_id(1) * BLOCK_M"), "never stored"),
     ("row_sum", ("for start in range(0, N, BLOCK_N):", "for start in range(0, BLOCK_N, BLOCK_N):"),
      "sums only the first BLOCK_N"),
@@ -194,7 +197,7 @@ DKDV_PLANTED = [  # (old, new), what the message must name
     (("for start_m in range(0, n_q, BLOCK_M):", "for start_m in range(0, BLOCK_M, BLOCK_M):"),
      "first query tile only"),
     (("dk.to(dk_ptr.dtype.element_ty), mask=key_rows)", "dk.to(dk_ptr.dtype.element_ty))"),
-     "outside dk were written.*missing mask.*keys < n_kv"),
+     observed("outside dk were written.*missing mask.*keys < n_kv", r"stored \d+ values outside dk .*keys < n_kv")),
 ]
 
 

@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -335,3 +336,14 @@ def test_top_logprobs_without_logprobs_is_refused(client):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}], max_tokens=1,
                                        top_logprobs=2)
     assert raised.value.response.json()["error"]["param"] == "top_logprobs"
+
+
+def test_enforce_eager_turns_the_engines_cuda_graphs_off(tmp_path):
+    """vLLM's flag, one switch: --enforce-eager is Features.cuda_graphs off, whatever else is asked."""
+    from lessonlib.engine.serve.__main__ import parse_args
+
+    for flags in ([], ["--enable-chunked-prefill"], ["--plain-pytorch"]):
+        asked = parse_args(["--model", str(tmp_path), *flags]).features
+        eager = parse_args(["--model", str(tmp_path), "--enforce-eager", *flags]).features
+        assert not eager.cuda_graphs and eager == replace(asked, cuda_graphs=False)
+        assert asked.cuda_graphs == ("--plain-pytorch" not in flags)

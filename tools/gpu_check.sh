@@ -118,6 +118,8 @@ case "$what" in
         ;;
     install)
         install "${profiles[0]:-}" || exit 1
+        # The start-up files (*.pth) this Python has that no package lists, recorded as at install (the grader's check).
+        "$python" -m lessonlib.grading.release || exit 1
         ;;
     tests)
         [ ${#profiles[@]} -gt 0 ] || profiles=(native t4)

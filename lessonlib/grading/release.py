@@ -4,11 +4,14 @@ notebooks, and the files that Python runs before any import (``sitecustomize.py`
 
 :class:`Course` is read once when the grader starts: anything that differs from the release (a changed or added file
 in ``lessonlib/``, a ``.pyc`` that is not the compiled source beside it, a ``.py`` or ``.pth`` in the checkout's root
-that is not released, a ``sitecustomize.py`` or a ``.pth`` that no installed package lists in the Python environment)
-stops the grader before any submission runs. The sandboxes see a pristine copy of lessonlib written from it
+that is not released, a ``sitecustomize.py`` or a ``.pth`` in the Python environment that no installed package lists and
+the environment record does not hold as it is) stops the grader before any submission runs. The sandboxes see a pristine copy of lessonlib written from it
 (:meth:`Course.pristine`), never the checkout. After each submission :meth:`Course.repair` compares everything again
 and puts back what changed (a changed file rewritten, a new one removed), so the next submission, and the
 instructor's next run, see the release.
+
+The environment record (:func:`write_environment`, written by ``python -m lessonlib.grading.release`` at install) holds
+the start-up files the environment had then that no package lists: virtualenv's ``_virtualenv.pth``, a platform's own.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import sysconfig
 from pathlib import Path
 
 MANIFEST = ".lessonlib-release.json"  # in the checkout's root, written at install where there is no git
+ENVIRONMENT = "lessonlib-environment.json"  # in the Python environment's folder (sys.prefix): see write_environment
 SHADOWING = re.compile(r"^(sitecustomize|usercustomize)(\..*)?\.py[c]?$|\.pth$")
 ROOT_MODULE = re.compile(r"\.(py|pyc|pth|so)$")  # a file in the checkout's root that Python could import
 
@@ -80,6 +84,38 @@ def write_manifest(root: Path) -> Path:
     return root / MANIFEST
 
 
+def _startup_files() -> dict[str, bytes | str]:
+    """The files of the Python environment that run before any import: ``*.pth``, ``sitecustomize``,
+    ``usercustomize`` (and their bytecode), by path."""
+    found: dict[str, bytes | str] = {}
+    for folder in site_folders():
+        for path in list(folder.iterdir()) + list((folder / "__pycache__").glob("*customize*")):
+            if SHADOWING.search(path.name):
+                found[str(path)] = _read(path)
+    return found
+
+
+def _digest(data: bytes | str) -> str:
+    return hashlib.sha256(data if isinstance(data, bytes) else data.encode()).hexdigest()
+
+
+def write_environment() -> Path:
+    """The environment record, in the environment's own folder: sha256 of each of its start-up files that no installed
+    package lists, as they are now (at install, before any submission ran; a sandbox mounts that folder read-only)."""
+    listed = _recorded_pth()
+    files = {path: _digest(data) for path, data in _startup_files().items() if path not in listed}
+    record = Path(sys.prefix) / ENVIRONMENT
+    record.write_text(json.dumps(files, indent=0, sort_keys=True))
+    return record
+
+
+def _environment_record() -> dict[str, str]:
+    try:
+        return json.loads((Path(sys.prefix) / ENVIRONMENT).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def site_folders() -> list[Path]:
     """Where Python looks for ``*.pth`` files and ``sitecustomize``: the venv's and the base interpreter's."""
     names = ("purelib", "platlib", "stdlib", "platstdlib")
@@ -120,9 +156,12 @@ class Course:
         self.state = self._scan()
         problems = [] if allow_modified else self._against_release(release)
         if problems:
+            unrecorded = any("environment record" in p for p in problems)
             raise CourseChanged(f"the course differs from {self.origin}: " + "; ".join(problems[:10])
                                 + (" ..." if len(problems) > 10 else "") + " (restore it, e.g. git checkout and git "
-                                "clean in lessonlib/, or pass --allow-modified-course to grade with it as it is)")
+                                "clean in lessonlib/, or pass --allow-modified-course to grade with it as it is"
+                                + ("; start-up files the environment had when it was installed are recorded by "
+                                   "python -m lessonlib.grading.release" if unrecorded else "") + ")")
 
     def _scan(self) -> dict[str, bytes | str]:
         state: dict[str, bytes | str] = {}
@@ -137,10 +176,7 @@ class Course:
             if ROOT_MODULE.search(path.name) or SHADOWING.search(path.name) or path.name == "__pycache__":
                 for p in ([path] if path.name != "__pycache__" else sorted(path.iterdir())):
                     state[str(p)] = _read(p)
-        for folder in site_folders():
-            for path in list(folder.iterdir()) + list((folder / "__pycache__").glob("*customize*")):
-                if SHADOWING.search(path.name):
-                    state[str(path)] = _read(path)
+        state.update(_startup_files())
         return state
 
     def _pyc_is_its_source(self, path: Path) -> bool:
@@ -190,11 +226,14 @@ class Course:
                     problems.append(f"{rel} is not its source compiled")
             elif rel.startswith("lessonlib/") or "/" not in rel or rel.startswith("__pycache__/"):
                 problems.append(f"{rel} is not released")
-        for path in self.state:
+        recorded, listed = _environment_record(), _recorded_pth()
+        for path, data in self.state.items():
             if Path(path).is_relative_to(self.root) or not SHADOWING.search(Path(path).name):
                 continue
-            if path.endswith(".pth") and path not in _recorded_pth():
-                problems.append(f"{path} is listed by no installed package")
+            if recorded.get(path) == _digest(data):
+                continue  # there at install, as it is now
+            if path.endswith(".pth") and path not in listed:
+                problems.append(f"{path} is listed by no installed package nor in the environment record")
             elif not path.endswith(".pth") and Path(path).is_relative_to(sys.prefix):
                 problems.append(f"{path} runs before every import")
         return problems
@@ -240,4 +279,7 @@ class Course:
 
 
 if __name__ == "__main__":
-    print(f"wrote {write_manifest(Path(__file__).resolve().parents[2])}")
+    checkout = Path(__file__).resolve().parents[2]
+    if _git(checkout, "rev-parse", "HEAD") is None:
+        print(f"wrote {write_manifest(checkout)}")
+    print(f"wrote {write_environment()}")
