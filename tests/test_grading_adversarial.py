@@ -24,7 +24,7 @@ import nbformat
 import pytest
 
 from lessonlib import grading
-from lessonlib.grading import sandbox
+from tests.grading_helpers import sandbox_or_skip
 from tests.test_grading_sandbox import trimmed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -258,21 +258,9 @@ def survivors(*markers: str) -> list[str]:
     return found
 
 
-def sandbox_mode() -> str:
-    """bwrap wherever it is installed (a sandbox that cannot start there fails the test); else unshare, else skip."""
-    if shutil.which("bwrap"):
-        mode, why = sandbox.choose("auto")
-        assert mode == "bwrap", f"bubblewrap is installed but the grader's sandbox cannot start: {why}"
-        return "bwrap"
-    try:
-        return sandbox.choose("unshare")[0]
-    except sandbox.SandboxUnavailable as e:
-        pytest.skip(f"no sandbox on this machine (install bubblewrap: make setup): {e}")
-
-
 @pytest.fixture(scope="module")
 def attacked():
-    mode = sandbox_mode()
+    mode = sandbox_or_skip()
     # Under /tmp whatever TMPDIR says (LESSONLIB_TEST_ATTACK_DIR elsewhere: to see an older grader's row by row)
     base = Path(tempfile.mkdtemp(prefix="lessonlib-attacked-", dir=os.environ.get("LESSONLIB_TEST_ATTACK_DIR", "/tmp")))
     yield run_attacks(base, mode)
