@@ -213,3 +213,54 @@ def test_each_fake_gets_nothing_for_each_item_it_fakes_and_one_line_saying_why(g
         lines = [line for line in feedback[fake].splitlines() if line.startswith(f"  {e.name}: ")]
         assert len(lines) == 1 and lines[0].startswith(f"  {e.name}: 0/{e.points:g}  "), (e.name, feedback[fake])
         assert REASONS[fake].format(name=e.solution_id) in lines[0], (e.name, lines[0])
+
+
+def plain_launch(name, kernel, grid, *args, student=True, **meta):
+    """``launch_observed`` with its defences taken out: no certification, nothing recorded (a checker that only
+    compares the outputs, as the checkers did before issue 41)."""
+    import torch
+
+    from lessonlib.exercises import _observe
+
+    names = list(getattr(kernel, "arg_names", None) or [])
+    tensors = {(names[i] if i < len(names) else f"arg{i}").removesuffix("_ptr"): a for i, a in enumerate(args)
+               if isinstance(a, torch.Tensor)}
+    before = {k: t.detach().cpu().clone() for k, t in tensors.items()}
+    grid = tuple(int(g) for g in (grid if isinstance(grid, (tuple, list)) else (grid,)))
+    kernel[grid](*args, **meta)
+    records = {k: _observe._plain_record(k, t, before[k]) for k, t in tensors.items()}
+    return _observe.Observation(kernel.fn.__name__, grid, False, [], records)
+
+
+@pytest.mark.parametrize("fake", FAKES)
+def test_each_fake_passes_a_checker_that_neither_certifies_nor_records(fake, monkeypatch):
+    """The fakes the grader refuses work: run in this process, with launch_observed reduced to a plain launch and
+    its certification and findings switched off, each passes lesson 00's checkers (lessons 02 and 03 too: checked
+    once, 2026-12-05; 25 s more, so not repeated here). Without this, a fake that had stopped working would get 0
+    above for the wrong reason."""
+    import linecache
+
+    import triton
+
+    from lessonlib import exercises
+    from lessonlib.exercises import _observe
+
+    monkeypatch.setattr(triton, "jit", triton.jit)  # put back after the patched jit's cells
+    monkeypatch.setattr(_observe, "launch_observed", plain_launch)
+    monkeypatch.setattr(_observe, "certify_kernel", lambda *a, **k: None)
+    monkeypatch.setattr(_observe, "certify_outputs", lambda *a, **k: None)
+    monkeypatch.setattr(_observe, "findings", lambda obs: [])
+    lesson = LESSONS[0]
+    found = kernel_exercises(lesson)
+    solutions = {e.solution_id for e in found}
+    solved = trimmed(nbformat.read(NOTEBOOKS / lesson, as_version=4), solutions)
+    stub = trimmed(nbformat.read(NOTEBOOKS / "student" / lesson, as_version=4), solutions)
+    planted = faked(stub, solved, fake)
+    namespace = {"__name__": "__main__"}
+    for e in found:
+        cell = next(c for c in planted.cells if c.metadata.get("nbgrader", {}).get("grade_id") == e.solution_id)
+        source = "import torch\nimport triton\nimport triton.language as tl\n" + cell.source
+        filename = f"<planted {fake} {e.name}>"  # registered, so that Triton can read the kernels' source
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(source, filename, "exec"), namespace)
+        getattr(exercises, e.checker_id)(namespace[e.solution_id])
