@@ -1,21 +1,25 @@
-"""Issue 41, through the grader: issue 41's five fake kernels planted in every kernel exercise of lessons 00, 02 and
-03, graded by ``python -m lessonlib.grading`` (in the sandbox it chooses) beside the solved instructor copy and an
+"""Issue 41, through the grader: its five fake kernels planted in every kernel exercise of lessons 00, 02 and 03,
+graded by ``python -m lessonlib.grading`` (in the sandbox it chooses) beside the solved instructor copy and an
 untouched student copy: each fake gets 0 for each item it fakes, with a one-line reason; the solved copy keeps full
-marks; the untouched copy gets 0. (Lesson 01's two kernel items: tests/test_grading_adversarial.py.)
+marks; the untouched copy gets 0. Lesson 01's two kernel items get the fifth fake here (a kernel launched on copies),
+the other four in tests/test_grading_adversarial.py.
 
-The fakes (:data:`FAKES`) each stand in for the student's ``my_..._kernel`` and compute the right answer with a
-correct kernel the submission carries under another name (the instructor's solution, "copied from a classmate");
-what a fake computes in does not matter to the grader, which never runs the student's object for a kernel item, and
-a copied kernel makes one fake fit all eight exercises. Each fake also has Triton's ``run(*args, grid=...)``, so it
-would pass a checker that launched it without certifying it (tests/test_observed_launch.py refuses the same kinds
-of fake when a checker is called directly).
+The fakes (:data:`FAKES`): a duck-typed object, a subclass of Triton's kernel class, a patched ``triton.jit``, a
+wrapper that launches the student's own kernel and then overwrites the outputs, a wrapper that launches a correct
+kernel on copies of the checker's tensors and copies the results in. Each computes the right answer with a correct
+kernel the submission carries under another name (the instructor's solution, "copied from a classmate"): one fake
+fits every exercise, and what it computes in does not matter to the grader, which never runs the student's object
+for a kernel item. Each also has Triton's ``run(*args, grid=...)``: it passes a checker that neither certifies nor
+records its launch (the last test; tests/test_observed_launch.py refuses the same kinds when a checker is called
+directly).
 
-Every item receives every fake kind: one submission per fake kind (each holding the three lessons' notebooks, every
-kernel exercise replaced by that fake), plus the solved and the untouched copies: 21 notebooks, each trimmed to its
-set-up cell, the cell importing the checkers and its kernel exercises' cells; the course is the solved copies
-trimmed the same way, so the kernel items are the only items.
+Every item receives every fake kind: one submission per fake kind (lessons 00, 02 and 03, every kernel exercise
+replaced by that fake), plus the solved and the untouched copies: 24 notebooks with lesson 01's three, each trimmed
+to its set-up cell, the cell importing the checkers and its kernel exercises' cells; the course is the solved copies
+trimmed the same way, so that the kernel items are the only items. The checkers' sizes are their own (each takes
+0.1 to 2 s in the interpreter); the cost is the processes each notebook starts.
 
-Cost on 2 cores: one grading run of those 21 notebooks, two at a time: see the module's measured cost below.
+COST
 """
 
 import csv
@@ -34,6 +38,7 @@ from tests.test_grading_sandbox import grade_cli
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 LESSONS = ("00_setup_and_roofline.ipynb", "02_flash_attention.ipynb", "03_paged_attention.ipynb")
+FUSION = "01_operator_fusion.ipynb"  # its kernel items get the other fakes in test_grading_adversarial.py
 
 # What every planted cell defines first (a cell may run twice: the definitions are the same each time).
 COMMON = '''
@@ -175,12 +180,13 @@ def graded(tmp_path_factory):
     base = tmp_path_factory.mktemp("fakes")
     subs, course = base / "submissions", base / "course"
     course.mkdir()
-    for lesson in LESSONS:
+    for lesson in LESSONS + (FUSION,):
         solutions = {e.solution_id for e in kernel_exercises(lesson)}
         solved = trimmed(nbformat.read(NOTEBOOKS / lesson, as_version=4), solutions)
         stub = trimmed(nbformat.read(NOTEBOOKS / "student" / lesson, as_version=4), solutions)
         nbformat.write(solved, course / lesson)
-        cases = {"solved": solved, "untouched": stub} | {fake: faked(stub, solved, fake) for fake in FAKES}
+        cases = {"solved": solved, "untouched": stub} | {fake: faked(stub, solved, fake) for fake in FAKES
+                                                         if lesson in faked_lessons(fake)}
         for student, notebook in cases.items():
             (subs / student).mkdir(parents=True, exist_ok=True)
             nbformat.write(notebook, subs / student / lesson)
@@ -195,7 +201,11 @@ def graded(tmp_path_factory):
     return grades, feedback
 
 
-ITEMS = [e for lesson in LESSONS for e in kernel_exercises(lesson)]
+def faked_lessons(fake: str) -> tuple[str, ...]:
+    return LESSONS + (FUSION,) if fake == "other_tensors" else LESSONS
+
+
+ITEMS = [e for lesson in LESSONS + (FUSION,) for e in kernel_exercises(lesson)]
 
 
 def test_the_solved_copy_keeps_full_marks_and_the_untouched_copy_gets_nothing(graded):
@@ -204,12 +214,22 @@ def test_the_solved_copy_keeps_full_marks_and_the_untouched_copy_gets_nothing(gr
     assert {e.name: grades["untouched"][e.name] for e in ITEMS} == {e.name: "0" for e in ITEMS}
 
 
+def test_the_solved_copy_is_told_the_checkers_whole_verdict(graded):
+    """The checker's verdict, not the tail of it: a checker wraps its message over several lines."""
+    _, feedback = graded
+    for e in ITEMS:
+        line = next(line for line in feedback["solved"].splitlines() if line.startswith(f"  {e.name}: "))
+        assert f"  {e.name}: {e.points:g}/{e.points:g}  " in line, line
+        assert re.search(rf"/{e.points:g}  (✓ )?{e.name.removesuffix('_kernel')}: .{{40}}", line), line
+
+
 @pytest.mark.parametrize("fake", FAKES)
 def test_each_fake_gets_nothing_for_each_item_it_fakes_and_one_line_saying_why(graded, fake):
     grades, feedback = graded
-    assert {e.name: grades[fake][e.name] for e in ITEMS} == {e.name: "0" for e in ITEMS}, grades[fake]
+    faked_items = [e for lesson in faked_lessons(fake) for e in kernel_exercises(lesson)]
+    assert {e.name: grades[fake][e.name] for e in faked_items} == {e.name: "0" for e in faked_items}, grades[fake]
     assert grades[fake]["total"] == "0"
-    for e in ITEMS:  # feedback: "  item: 0/points  reason", one line per item
+    for e in faked_items:  # feedback: "  item: 0/points  reason", one line per item
         lines = [line for line in feedback[fake].splitlines() if line.startswith(f"  {e.name}: ")]
         assert len(lines) == 1 and lines[0].startswith(f"  {e.name}: 0/{e.points:g}  "), (e.name, feedback[fake])
         assert REASONS[fake].format(name=e.solution_id) in lines[0], (e.name, lines[0])
