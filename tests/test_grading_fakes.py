@@ -19,9 +19,10 @@ to its set-up cell, the cell importing the checkers and its kernel exercises' ce
 trimmed the same way, so that the kernel items are the only items. The checkers' sizes are their own (each takes
 0.1 to 2 s in the interpreter); the cost is the processes each notebook starts.
 
-Cost on 2 cores, measured with /usr/bin/time on 2026-12-05: 83 s of CPU (user and system, the grader's sandboxed
-processes included); 212 s wall with the machine's load average at 10 to 12 (other work beside it), 72 s wall at a
-load average of 1.3 for an earlier form of the same run (21 notebooks, 66 s of CPU). An idle CI machine: about 90 s.
+Cost on 2 cores, measured with /usr/bin/time on 2026-12-05: 82 to 83 s of CPU (user and system, the grader's
+sandboxed processes included); wall 168 s with the machine's load average at 6 to 11, 212 s at 10 to 12 (other work
+beside it); 72 s wall at a load average of 1.3 for an earlier form of the same run (21 notebooks, 66 s of CPU). On
+an idle CI machine about 90 s (estimated from the CPU time: no idle machine was at hand).
 """
 
 import csv
