@@ -39,14 +39,17 @@ written. Only regular files are read from a student's folder (``O_NOFOLLOW | O_N
    the tamper checks of :mod:`~lessonlib.grading.kernel_side`.
 
 An exercise gets its points when its check passed in the judge and the kernel reached its cell; its message is the
-checker's last line (or its error, cut to 300 characters). After each notebook the course is compared with the
-start: a change is put back, and the notebooks graded meanwhile get 0 and a FLAGGED note. Only the grader writes
-``grades.csv``, once every sandbox (and so every process a notebook started) is gone.
+checker's last message, its wrapped lines joined (or its error's first line), cut to 300 characters. After each
+notebook the course is compared with the start: a change is put back, and the notebooks graded meanwhile get 0 and a
+FLAGGED note. Only the grader writes ``grades.csv``, once every sandbox (and so every process a notebook started) is
+gone.
 
 **Defended, each by a test** (``tests/test_grading.py``, ``tests/test_grading_sandbox.py``,
-``tests/test_grading_adversarial.py``, ``tests/test_grading_judge.py``): edited, deleted or redefined checkers;
-patched ``lessonlib`` and ``torch``; fake modules; walking the stack or ``gc`` to the grader's state; spoofed classes,
-fake kernel objects, always-equal objects; an IPython input transformer; reading the instructor's notebook, a secret
+``tests/test_grading_adversarial.py``, ``tests/test_grading_judge.py``, ``tests/test_grading_fakes.py``): edited,
+deleted or redefined checkers; patched ``lessonlib`` and ``torch``; fake modules; walking the stack or ``gc`` to the
+grader's state; spoofed classes, fake kernel objects (look-alikes, subclasses of Triton's kernel class, a patched
+``triton.jit``, wrappers that overwrite the output or launch on copies: issue 41's, in every kernel exercise),
+always-equal objects; an IPython input transformer; reading the instructor's notebook, a secret
 beside the course, ``/etc/hostname``; a symbolic link or FIFO in the submission; a Unix socket on the host;
 bytecode or ``sitecustomize.py`` written into the checkout; a checkout or Python under ``/tmp``; a detached process
 rewriting ``grades.csv``; the network; floods of output, display metadata or error names; a fork bomb; a full working

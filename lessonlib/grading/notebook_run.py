@@ -292,7 +292,11 @@ def _checker_message(result: tuple | None, limits: Limits) -> str:
         first = evalue.strip().splitlines()[0][:300] if evalue.strip() else ""
         return first if ename in ("ExerciseFailed", "GradingRefused") else f"{ename[:100]}: {first}"
     lines = [line for line in stdout.splitlines() if line.strip() and not line.startswith("(note:")]
-    return lines[-1].strip()[:300] if lines else "passed"
+    if not lines:
+        return "passed"
+    # The checker's verdict: its last message, whose lines past the first are indented (checkers wrap it)
+    start = next((i for i in range(len(lines) - 1, -1, -1) if not lines[i].startswith(" ")), len(lines) - 1)
+    return " ".join(line.strip() for line in lines[start:])[:300]
 
 
 def _marker(exercise: Exercise, token: str) -> str:
