@@ -2,10 +2,12 @@
 runner, the Triton-only kernel source the judge defines, the course's release check, and the grader refusing to
 run without a sandbox."""
 
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import nbformat
@@ -15,6 +17,7 @@ import torch
 from lessonlib import grading
 from lessonlib.grading import judge, release, wire
 from lessonlib.grading.kernel_source import NotAKernel, kernel_source
+from tests.test_grading_adversarial import ALWAYS_EQUAL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +47,62 @@ def test_objects_of_the_submission_arrive_as_plain_values_or_not_at_all():
     class Fake:
         pass
 
-    back = roundtrip([Same(1.5), Fake(), torch.nn.Parameter(torch.ones(2))])
+    class SameInt(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    class Posing:  # isinstance(x, float) is True: it claims float's class
+        __class__ = property(lambda self: float)
+
+        def __eq__(self, other):
+            return True
+
+    back = roundtrip([Same(1.5), Fake(), torch.nn.Parameter(torch.ones(2)), SameInt(7), Posing()])
     assert type(back[0]) is float and back[0] == 1.5 and back[0] != 2.0
     assert isinstance(back[1], wire.Foreign) and isinstance(back[2], wire.Foreign)
+    assert type(back[3]) is int and back[3] == 7 and back[3] != 8
+    assert isinstance(back[4], wire.Foreign) and back[4] != 1.0
+
+
+@contextlib.contextmanager
+def runner_on_a_thread(namespace: dict):
+    """The runner's side of the wire (:func:`judge._serve`) answering from ``namespace`` on a thread, and the judge's
+    :class:`judge.Remote` for a name: the grader's two ends and their pipes, without the processes."""
+    calls_read, calls_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    thread = threading.Thread(target=judge._serve, args=(namespace, calls_read, replies_write), daemon=True)
+    thread.start()
+    try:
+        yield lambda name: judge.Remote(name, calls_write, replies_read, 30)
+    finally:
+        wire.send(calls_write, {"done": 0})  # _serve returns (it would end its process on a closed channel)
+        thread.join(30)
+        for fd in (calls_read, calls_write, replies_read, replies_write):
+            os.close(fd)
+
+
+def test_an_always_equal_answer_earns_nothing_through_the_wire():
+    """Issue 43's row: an always-equal object where lesson 03 expects numbers. Handed to the checker as itself it
+    passes (``tuple(got) != want`` asks the object): the attack is real. Through the runner and the wire the judge
+    gets plain data, where it is an object of the submission's, not a number: 0."""
+    from lessonlib.exercises import check_physical_slot
+    from lessonlib.exercises._checking import ExerciseFailed
+
+    namespace: dict = {}
+    exec(ALWAYS_EQUAL, namespace)
+    check_physical_slot(namespace["my_physical_slot"])  # the old design: the checker beside the object
+    with runner_on_a_thread(namespace) as remote:
+        with pytest.raises(ExerciseFailed, match="expected"):
+            check_physical_slot(remote("my_physical_slot"))
+        answer = remote("my_physical_slot")(5, [7, 3], 4)
+        assert type(answer) is tuple and all(isinstance(v, wire.Foreign) for v in answer), answer
+        honest: dict = {}
+        exec("def my_physical_slot(position, table, block_size):\n"
+             "    return table[position // block_size], position % block_size\n", honest)
+        namespace.update(honest)  # the same path passes an honest answer
+        check_physical_slot(remote("my_physical_slot"))
 
 
 @pytest.mark.parametrize("data, buffers", [

@@ -27,18 +27,20 @@ class WireError(Exception):
 
 def encode(value, buffers: list, depth: int = 0):
     """``value`` as JSON-able data; each tensor's bytes appended to ``buffers``. Subclasses of int, float and str
-    are sent as the plain value they hold; any other object as ``{"__object__": its type's name}``."""
+    are sent as the plain value they hold; any other object as ``{"__object__": its type's name}``. Kinds are told
+    by the object's real type, not ``isinstance`` (which asks the object's own ``__class__``)."""
     if depth > 32:
         raise WireError("nested too deeply")
-    if value is None or type(value) is bool:
+    kind = type(value)
+    if value is None or kind is bool:
         return value
-    if isinstance(value, int):
+    if issubclass(kind, int) and not issubclass(kind, bool):
         return {"__int__": int.__repr__(value)}
-    if isinstance(value, float):
+    if issubclass(kind, float):
         return {"__float__": float.__repr__(value)}
-    if isinstance(value, str):
+    if issubclass(kind, str):
         return str.__str__(value)[:100_000]
-    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+    if kind is torch.Tensor:
         tensor = value.detach().to("cpu").contiguous()
         if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
             return {"__object__": f"tensor of {tensor.dtype}"}
