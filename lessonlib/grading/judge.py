@@ -23,9 +23,10 @@ from __future__ import annotations
 import builtins
 import io
 import json
-import linecache
 import os
+import time
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -114,19 +115,7 @@ def _runner_reached(reply_fd: int, index: int, timeout: float) -> bool:
         return False
 
 
-def define_kernel(name: str, source: str):
-    """``source`` (validated) defined as a genuine ``triton.jit`` function in a namespace of its own."""
-    import triton
-    import triton.language as tl
-
-    filename = f"<submitted kernel {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"triton": triton, "tl": tl, "jit": triton.jit, "__name__": "submitted_kernels"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
-
-
-def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
+def run_judge(request_fd: int, reply_fd: int, result_fd: int, validated_fd: int = -1) -> None:
     request = json.loads(sys.stdin.read())
     timeout = float(request["cell_timeout"])
     from lessonlib import runtime
@@ -139,9 +128,14 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     def alarm(signum, frame):
         raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
+    validated = wire.Lines(validated_fd, time.monotonic() + float(request["wait_timeout"]))
     for entry in request["checks"]:
+        if entry.get("validated"):  # checked by the validated runner: its outcome, read as plain data
+            line = validated.outcome(entry["index"])
+            os.write(result_fd, json.dumps(line).encode() + b"\n")
+            continue
         captured, status, ename, evalue = io.StringIO(), "ok", "", ""
-        remote = not entry.get("kernel") and not entry.get("refused")  # an answer the runner computes
+        remote = not entry.get("refused")  # an answer the runner computes
         reached = not remote or _runner_reached(reply_fd, entry["index"], float(request["wait_timeout"]))
         signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -154,9 +148,7 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
             if entry.get("refused"):
                 raise ExerciseFailed(entry["refused"])
             scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
-            scope[entry["solution_id"]] = (define_kernel(entry["solution_id"], entry["kernel"])
-                                           if entry.get("kernel") else
-                                           Remote(entry["solution_id"], request_fd, reply_fd, timeout))
+            scope[entry["solution_id"]] = Remote(entry["solution_id"], request_fd, reply_fd, timeout)
             exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
         except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
             status, ename, evalue = "error", type(e).__name__, str(e)
@@ -255,62 +247,89 @@ def is_kernel(exercise) -> bool:
     return exercise.solution_id.endswith("_kernel")
 
 
+def validated_kind(exercise) -> str | None:
+    """"kernel" or "function" where the exercise's answer is source text the validated runner defines; None where
+    the runner computes it."""
+    return "kernel" if is_kernel(exercise) else "function" if exercise.name in IN_PROCESS else None
+
+
 def plan_checks(sources: list[str], checks: dict, exercises_: list) -> list[dict]:
-    """The judge's checks: each exercise's checker source and answer (a validated kernel source, a refusal, or a
-    call to the runner)."""
+    """The judge's checks: each exercise's checker source and answer (validated source for the validated runner, a
+    refusal, or a call to the runner)."""
     from lessonlib.grading.kernel_source import NotAKernel, kernel_source
+    from lessonlib.grading.torch_source import NotInSubset, function_source
 
     student = [s for i, s in enumerate(sources) if i and i not in checks]
     planned = []
     for index, exercise in sorted(checks.items()):
         entry = {"index": index, "name": exercise.name, "solution_id": exercise.solution_id,
                  "checker_source": exercise.checker_source}
-        if is_kernel(exercise):
+        kind = validated_kind(exercise)
+        if kind is not None:
             try:
-                entry["kernel"] = kernel_source(student, exercise.solution_id)
-            except NotAKernel as e:
+                take = kernel_source if kind == "kernel" else function_source
+                entry.update(validated=kind, source=take(student, exercise.solution_id))
+            except (NotAKernel, NotInSubset) as e:
                 entry["refused"] = f"{exercise.name}: {e}"[:300]
         planned.append(entry)
     return planned
 
 
-def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_box, env_runner: dict,
-          env_judge: dict, timeout: float, cell_timeout: float, logs) -> tuple[dict[int, tuple], list[str]]:
-    """Run the runner and the judge (see the module docstring); returns what
-    :func:`~lessonlib.grading.scoring.score` does. ``logs``: (runner's output file, judge's output file)."""
+def _start(role: str, box, env: dict, fds: tuple, log, request: dict):
+    """``role``'s process in ``box``: its raw output capped into ``log``, ``request`` on its stdin."""
     import subprocess
 
+    from lessonlib.grading import sandbox
+
+    module = "validated" if role == "validated" else "judge"
+    entry = f"import sys; from lessonlib.grading.{module} import main; main(" + (
+        "int(sys.argv[1]))" if role == "validated" else "sys.argv[1:])")
+    sink = sandbox.CappedSink(log, 1_000_000)
+    argv = sandbox.wrap(box, [sys.executable, "-c", entry, *([] if role == "validated" else [role]),
+                              *map(str, fds)], env)
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
+                               env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
+                               cwd=box.work, start_new_session=True)
+    try:
+        process.stdin.write(json.dumps(request).encode())
+        process.stdin.close()
+    except BrokenPipeError:
+        pass
+    sink.close_writer()
+    return process, sink
+
+
+def score(sources: list[str], checks: dict, exercises_: list, boxes: dict, timeout: float, cell_timeout: float,
+          logs: dict) -> tuple[dict[int, tuple], list[str]]:
+    """Run the runner, the validated runner and the judge (see the module docstring), each only where a check needs
+    it; returns ({index: (status, stdout, ename, evalue)}, notes). ``boxes``: {role: (its sandbox, its
+    environment)}; ``logs``: {role: its output file}."""
     from lessonlib.grading import sandbox, scoring
 
+    planned = plan_checks(sources, checks, exercises_)
+    remote = {e["index"] for e in planned if not e.get("validated") and not e.get("refused")}
+    valid = [e for e in planned if e.get("validated") and not e.get("refused")]
     runner_cells = [{"source": c["source"]} if c["exercise"] is None else {"check": c["index"]}
                     for c in scoring.apart(sources, checks, exercises_)
-                    if c["index"] > 0 and not (c["exercise"] is not None and is_kernel(checks[c["index"]]))]
+                    if c["index"] > 0 and (c["exercise"] is None or c["index"] in remote)]
     calls_read, calls_write = os.pipe()  # the judge's calls, to the runner
     replies_read, replies_write = os.pipe()  # the runner's answers, to the judge
-    results_read, results_write = os.pipe()
-    sinks = [sandbox.CappedSink(log, 1_000_000) for log in logs]
-    entry = "import sys; from lessonlib.grading.judge import main; main(sys.argv[1:])"
-    processes = []
-    for role, box, env, fds, sink, stdin in (
-            ("runner", runner_box, env_runner, (calls_read, replies_write), sinks[0],
-             {"cells": runner_cells, "cell_timeout": cell_timeout}),
-            ("judge", judge_box, env_judge, (calls_write, replies_read, results_write), sinks[1],
-             {"cell_timeout": cell_timeout, "wait_timeout": timeout,
-              "checks": plan_checks(sources, checks, exercises_)})):
-        argv = sandbox.wrap(box, [sys.executable, "-c", entry, role, *map(str, fds)], env)
-        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
-                                   env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
-                                   cwd=box.work, start_new_session=True)
-        processes.append(process)
-        try:
-            process.stdin.write(json.dumps(stdin).encode())
-            process.stdin.close()
-        except BrokenPipeError:
-            pass
-    for fd in (calls_read, calls_write, replies_read, replies_write, results_write):
-        os.close(fd)
-    for sink in sinks:
-        sink.close_writer()
+    results_read, results_write = os.pipe()  # the judge's outcomes, to the grader
+    valid_read, valid_write = os.pipe() if valid else (-1, -1)  # the validated runner's outcomes, to the judge
+    started = []
+    if remote:
+        started.append(_start("runner", *boxes["runner"], (calls_read, replies_write), logs["runner"],
+                              {"cells": runner_cells, "cell_timeout": cell_timeout}))
+    if valid:
+        started.append(_start("validated", *boxes["validated"], (valid_write,), logs["validated"],
+                              {"checks": valid, "cell_timeout": cell_timeout}))
+    judge_fds = (calls_write, replies_read, results_write) + ((valid_read,) if valid else ())
+    judge = _start("judge", *boxes["judge"], judge_fds, logs["judge"],
+                   {"cell_timeout": cell_timeout, "wait_timeout": timeout,
+                    "checks": [{k: v for k, v in e.items() if k != "source"} for e in planned]})
+    for fd in (calls_read, calls_write, replies_read, replies_write, results_write, valid_read, valid_write):
+        if fd >= 0:
+            os.close(fd)
     chunks: list[bytes] = []
 
     def drain():
@@ -324,14 +343,13 @@ def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_
     reader.start()
     notes = []
     try:
-        processes[1].wait(timeout)
+        judge[0].wait(timeout)
     except subprocess.TimeoutExpired:
         notes.append(f"stopped: the checks ran past the grader's limit of {timeout:g} s")
-    for process in processes:
+    for process, sink in started + [judge]:
         sandbox.stop(process)
-    reader.join(10)
-    for sink in sinks:
         sink.join()
+    reader.join(10)
     os.close(results_read)
     return _outcomes(b"".join(chunks), set(checks)), notes
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from lessonlib.grading import judge, sandbox, scoring
+from lessonlib.grading import judge, sandbox
 from lessonlib.grading.exercise_format import Exercise, _nbgrader
 from lessonlib.grading.kernel_side import PRELUDE, checker_cell
 
@@ -342,17 +342,14 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
     kernel_sources = ["# lessonlib.grading: the student's cells (each check runs apart, in a plain Python)"] + [
         _marker(checks[i], token) if i in checks else source for i, source in enumerate(sources) if i]
     logs.parent.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        if any(e.name in judge.IN_PROCESS for e in checks.values()):  # checks that need the function in-process
-            scored = pool.submit(scoring.score, scoring.apart(sources, checks, exercises_), box, _environment(box),
-                                 limits.notebook_timeout, limits.cell_timeout,
-                                 logs.with_name(logs.name + ".scoring.txt"))
-        else:  # the judge, apart from the submission's runner
-            judge_box = dataclasses.replace(box, writable=scratch / "js", work=scratch / "jw", slot=box.slot)
-            sandbox.prepare(judge_box)
-            scored = pool.submit(judge.score, sources, checks, exercises_, box, judge_box, _environment(box),
-                                 _environment(judge_box), limits.notebook_timeout, limits.cell_timeout,
-                                 (logs.with_name(logs.name + ".runner.txt"), logs.with_name(logs.name + ".judge.txt")))
+    boxes = {"runner": (box, _environment(box))}
+    for role, folder in (("judge", "j"), ("validated", "v")):  # each process in a sandbox of its own
+        boxes[role] = (dataclasses.replace(box, writable=scratch / f"{folder}s", work=scratch / f"{folder}w"),)
+        sandbox.prepare(boxes[role][0])
+        boxes[role] += (_environment(boxes[role][0]),)
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the judge, apart from the submission's runners
+        scored = pool.submit(judge.score, sources, checks, exercises_, boxes, limits.notebook_timeout,
+                             limits.cell_timeout, {role: logs.with_name(f"{logs.name}.{role}.txt") for role in boxes})
         executed, status, notes = _run_cells(kernel_sources, box, limits, logs.with_name(logs.name + ".kernel.txt"))
         results, score_notes = scored.result()
     report.notes += notes + score_notes

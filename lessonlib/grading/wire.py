@@ -140,3 +140,40 @@ def receive(fd: int, timeout: float) -> tuple[dict, list[bytes]]:
         buffers.append(raw[at: at + size])
         at += size
     return header, buffers
+
+
+class Lines:
+    """The validated runner's outcomes as the judge reads them (:mod:`~lessonlib.grading.validated`): one JSON line
+    per check in the order asked, each checked for its form and capped; by ``deadline`` or not at all (``fd`` < 0:
+    none)."""
+
+    def __init__(self, fd: int, deadline: float):
+        self.fd, self.deadline, self.buffer, self.closed = fd, deadline, b"", fd < 0
+
+    def _line(self) -> bytes | None:
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if self.closed or left <= 0 or len(self.buffer) > 1 << 20:
+                return None
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                self.closed = True
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
+
+    def outcome(self, index: int) -> dict:
+        while (line := self._line()) is not None:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if (type(entry) is dict and entry.get("index") == index and entry.get("status") in ("ok", "error")
+                    and all(type(entry.get(k)) is str for k in ("stdout", "ename", "evalue"))):
+                return {"index": index, "status": entry["status"], "stdout": entry["stdout"][-20_000:],
+                        "ename": entry["ename"][:100], "evalue": entry["evalue"][:4000]}
+        return {"index": index, "status": "error", "stdout": "", "ename": "ExerciseFailed",
+                "evalue": "not graded: the check of your validated code stopped before this one (see the notes)"}

@@ -1,0 +1,99 @@
+"""The validated runner: a fresh sandboxed ``python`` that runs lessonlib's checkers on the submission's validated
+answers and on nothing else of the submission::
+
+    python -c "import sys; from lessonlib.grading.validated import main; main(int(sys.argv[1]))" RESULT_FD < request
+
+The request (on stdin, read whole and closed first) lists the checks whose answer is source text the grader took
+from the notebook and validated: a kernel exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`,
+Triton language only) and, for the checkers that must run the student's function in their own process
+(``torch.compile`` traces it, a CUDA graph captures it: :data:`~lessonlib.grading.judge.IN_PROCESS`), the function's
+source in the grader's PyTorch subset (:mod:`~lessonlib.grading.torch_source`). For each, in order, it defines the
+source in a namespace of its own (``triton.jit`` for a kernel; ``torch``, ``F``, ``math`` and
+``lessonlib.reference`` for a function), runs the pristine checker on it, and writes the outcome to ``RESULT_FD`` as
+one JSON line (index, status, what the checker printed, the error's name and text). The judge reads these lines,
+checks their form and reports them as its own (:func:`~lessonlib.grading.judge.run_judge`): this process decides
+nothing, and the judge runs no code that came from the submission.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import linecache
+import os
+import signal
+import sys
+
+
+class CallTimeout(BaseException):
+    """A check past the grader's limit (a BaseException: a checker's ``except Exception`` does not catch it)."""
+
+
+def define_kernel(name: str, source: str):
+    """``source`` (validated) defined as a genuine ``triton.jit`` function in a namespace of its own."""
+    import triton
+    import triton.language as tl
+
+    filename = f"<submitted kernel {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"triton": triton, "tl": tl, "jit": triton.jit, "__name__": "submitted_kernels"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def define_function(name: str, source: str):
+    """``source`` (validated: the PyTorch subset) defined in a namespace holding only the modules it may use."""
+    import math
+
+    import torch
+    import torch.nn.functional
+
+    from lessonlib import reference
+
+    filename = f"<submitted function {name}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    namespace = {"torch": torch, "F": torch.nn.functional, "math": math, "reference": reference,
+                 "__name__": "submitted_functions"}
+    exec(compile(source, filename, "exec"), namespace)
+    return namespace[name]
+
+
+def main(result_fd: int) -> None:
+    request = json.loads(sys.stdin.read())
+    sys.stdin.close()
+    timeout = float(request["cell_timeout"])
+    from lessonlib import runtime
+
+    runtime.mode()  # the Triton mode (TRITON_INTERPRET on a CPU) chosen before triton.language is imported
+    from lessonlib import exercises
+
+    def alarm(signum, frame):
+        raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
+
+    for entry in request["checks"]:
+        captured, status, ename, evalue = io.StringIO(), "ok", "", ""
+        signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        saved = sys.stdout
+        sys.stdout = captured
+        try:
+            define = define_kernel if entry["validated"] == "kernel" else define_function
+            scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
+            scope[entry["solution_id"]] = define(entry["solution_id"], entry["source"])
+            exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
+        except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
+            status, ename, evalue = "error", type(e).__name__, str(e)
+            if ename == "CallTimeout":
+                ename = "CellTimeout"
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            sys.stdout = saved
+        line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
+                           "ename": ename[:100], "evalue": evalue[:4000]})
+        os.write(result_fd, line.encode() + b"\n")
+    sys.stdout.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
