@@ -34,9 +34,10 @@ import types
 
 from lessonlib.grading import wire
 
-# Checkers that must run the student's function in their own process (torch.compile traces it, a CUDA graph
-# captures it): graded as before, by the scoring process (student code and checker in one sandboxed process).
-IN_PROCESS = {"no_graph_break", "graph_safe_decode_step"}
+# Checkers that must run the student's function in their own process: torch.compile traces it, a CUDA graph
+# captures it, refresh_static_inputs's checker compares the tensors' identity and addresses (which plain data cannot
+# carry). Their answer is the function's source in the PyTorch subset (torch_source.py), run by the validated runner.
+IN_PROCESS = {"no_graph_break", "graph_safe_decode_step", "refresh_static_inputs"}
 
 
 class CallTimeout(BaseException):

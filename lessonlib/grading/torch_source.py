@@ -73,10 +73,11 @@ def definitions(cells: list[str]) -> dict[str, tuple[ast.FunctionDef, str]]:
 
 
 def _attributes() -> set[str]:
-    """Public attributes of what a tensor expression can hold: tensors, dtypes, devices, sizes."""
+    """Public attributes of what a tensor expression can hold: tensors, dtypes, devices, sizes, and a dict's views
+    (lesson 05's answers walk a dict of tensors)."""
     import torch
 
-    names = set()
+    names = {"items", "keys", "values"}
     for kind in (torch.Tensor, torch.dtype, torch.device, torch.Size):
         names |= {n for n in dir(kind) if not n.startswith("_")}
     return names - TENSOR_DENIED
