@@ -1,21 +1,25 @@
-"""Points decided where no submission can reach: a judge process runs the instructor's checkers; the submission's
-code runs in a runner process of its own; both in sandboxes, joined by two pipes that carry plain data only
-(:mod:`~lessonlib.grading.wire`).
+"""Points decided where no submission can reach. Where each thing runs, every process in a sandbox of its own:
 
 - The **runner** (``python -m lessonlib.grading.judge runner``) runs the student's set-up cells, solution cells and
   the definitions of the other cells (:func:`~lessonlib.grading.scoring.apart`), then answers calls: the judge sends a
   function's name and arguments, the runner calls the student's function and sends back its result and its
-  arguments as they are afterwards (a function may fill a list or a tensor it was given).
+  arguments as they are afterwards (a function may fill a list or a tensor it was given), as plain data
+  (:mod:`~lessonlib.grading.wire`). Started only where a check calls the student's code.
+- The **validated runner** (:mod:`~lessonlib.grading.validated`) runs lessonlib's checker on an answer that is source
+  text the grader took from the notebook with :mod:`ast` and validated, and on nothing else of the submission: a
+  kernel exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`: Triton language only), and the
+  function of a checker that must run it in its own process (:data:`IN_PROCESS`: ``torch.compile`` traces it, a CUDA
+  graph captures it, a checker compares tensors' addresses) in a small PyTorch subset
+  (:mod:`~lessonlib.grading.torch_source`). A notebook whose answer is outside these gets 0 with the reason and runs
+  nothing. Each check's outcome goes to the judge as one JSON line. Started only where there is such a check.
 - The **judge** (``python -m lessonlib.grading.judge judge``) imports lessonlib's checkers and runs each pristine
   checker cell with the student's function replaced by a :class:`Remote`, which forwards each call to the runner and
-  returns what came back, checked. A kernel exercise's answer is instead the ``@triton.jit`` source the grader took
-  from the notebook and validated (:mod:`~lessonlib.grading.kernel_source`): the judge defines it with
-  ``triton.jit`` and the checker launches it on the judge's own tensors. The judge runs no other code of the
-  submission: walking the stack, ``gc``, monkeypatching, spoofed classes and always-equal objects reach only the
-  runner, which decides nothing.
+  returns what came back, checked; for a validated check it reads the validated runner's line, checks its form and
+  reports it. The judge runs no code that came from the submission: walking the stack, ``gc``, monkeypatching,
+  spoofed classes and always-equal objects reach only the runners, which decide nothing.
 
-Each check's outcome goes to the grader as one JSON line on the judge's result pipe, in the form
-:func:`~lessonlib.grading.scoring.score` returns.
+Each check's outcome goes to the grader as one JSON line on the judge's result pipe: (status, what the checker
+printed, the error's name and text), capped.
 """
 
 from __future__ import annotations
@@ -170,7 +174,7 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int, validated_fd: int 
 
 
 def run_runner(request_fd: int, reply_fd: int) -> None:
-    """Run the student's cells (as the scoring process does), then answer the judge's calls until it closes."""
+    """Run the student's cells in order, then answer the judge's calls at each check until it is done with it."""
     from lessonlib.grading.scoring import _source
 
     request = json.loads(sys.stdin.read())

@@ -1,6 +1,6 @@
 """Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh sandboxed kernel with time
-and output limits while the scoring process checks them apart (:mod:`~lessonlib.grading.scoring`), and reading each
-check's outcome (:func:`grade_notebook`)."""
+and output limits while the judge checks them apart (:mod:`~lessonlib.grading.judge`, with the runner and the
+validated runner), and reading each check's outcome (:func:`grade_notebook`)."""
 
 from __future__ import annotations
 
@@ -158,7 +158,7 @@ def _kernel_manager(box: sandbox.Box, **kwargs):
 
 
 def _environment(box: sandbox.Box) -> dict[str, str]:
-    """The kernel's and the scoring process's environment: allowlisted, lessonlib's scratch in the working folder,
+    """The environment of the kernel and of the grader's other processes: allowlisted, lessonlib's scratch in the working folder,
     the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added to the path."""
     return sandbox.environment(box, {
         "LESSONLIB_SCRATCH": str(box.work / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(box.work),
@@ -282,7 +282,7 @@ def _describe_cell(source: str) -> str:
 
 
 def _checker_message(result: tuple | None, limits: Limits) -> str:
-    """What the feedback says of one check, from the scoring process's (status, stdout, ename, evalue)."""
+    """What the feedback says of one check, from the judge's (status, stdout, ename, evalue)."""
     if result is None:
         return "not graded: the checks stopped before this one (see the notes)"
     status, stdout, ename, evalue = result
@@ -296,7 +296,7 @@ def _checker_message(result: tuple | None, limits: Limits) -> str:
 
 
 def _marker(exercise: Exercise, token: str) -> str:
-    """The kernel's stand-in for a check (the check itself runs in the scoring process): it prints ``token``, so a
+    """The kernel's stand-in for a check (the check itself runs in the judge): it prints ``token``, so a
     cell that did not run as the grader wrote it (an IPython input transformer, a hook) is seen."""
     return (f"# lessonlib.grading: {exercise.name} is checked apart from this kernel\n"
             f"print('lessonlib.grading: {exercise.name} is checked apart from this kernel [{token}]')")
@@ -318,8 +318,9 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
                    graded_copy: Path | None = None, mode: str = "none", slot: int = 0,
                    pristine: Path | None = None) -> NotebookReport:
     """Grade one submitted notebook against the instructor's exercises (see the module docstring): its kernel (in a
-    sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the feedback and the graded copy, while a
-    scoring process in its own sandbox runs the pristine checks; a check's points need both to have reached it."""
+    sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the
+    feedback and the graded copy, while the judge and the runners (:func:`judge.score`), each in a sandbox of its own,
+    run the pristine checks; a check's points need both the judge's "ok" and the kernel to have reached it."""
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.monotonic()
