@@ -230,7 +230,7 @@ def trimmed_run(tmp_path_factory):
             "    check_free_sequence=lambda fn: print('correct'))\n" + cell(stub, "my_free_sequence").source)),
         # A notebook that misbehaves: graded for what ran.
         # Interrupted at the cell limit; the notebook goes on. The loop sleeps: an interrupt stops it as it stops a
-        # busy one, without burning a core for the limit's 40 s twice (the notebook's run and the scoring run).
+        # busy one, without burning a core for the limit's 40 s twice (the notebook's run and the runner's).
         "hangs": edited(instructor, my_free_sequence=(
             "import time\n\ndef my_free_sequence(table, ref_counts, free_blocks):\n    while True:\n"
             "        time.sleep(0.05)\n")),

@@ -282,8 +282,6 @@ def plan_checks(sources: list[str], checks: dict, exercises_: list) -> list[dict
 
 def _start(role: str, box, env: dict, fds: tuple, log, request: dict):
     """``role``'s process in ``box``: its raw output capped into ``log``, ``request`` on its stdin."""
-    import subprocess
-
     from lessonlib.grading import sandbox
 
     module = "validated" if role == "validated" else "judge"

@@ -6,9 +6,9 @@ answers and on nothing else of the submission::
 The request (on stdin, read whole and closed first) lists the checks whose answer is source text the grader took
 from the notebook and validated: a kernel exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`,
 Triton language only) and, for the checkers that must run the student's function in their own process
-(``torch.compile`` traces it, a CUDA graph captures it: :data:`~lessonlib.grading.judge.IN_PROCESS`), the function's
-source in the grader's PyTorch subset (:mod:`~lessonlib.grading.torch_source`). For each, in order, it defines the
-source in a namespace of its own (``triton.jit`` for a kernel; ``torch``, ``F``, ``math`` and
+(``torch.compile`` traces it, a CUDA graph captures it, a checker compares tensors' addresses:
+:data:`~lessonlib.grading.judge.IN_PROCESS`), the function's source in the grader's PyTorch subset
+(:mod:`~lessonlib.grading.torch_source`). For each, in order, it defines the source in a namespace of its own (``triton.jit`` for a kernel; ``torch``, ``F``, ``math`` and
 ``lessonlib.reference`` for a function), runs the pristine checker on it, and writes the outcome to ``RESULT_FD`` as
 one JSON line (index, status, what the checker printed, the error's name and text). The judge reads these lines,
 checks their form and reports them as its own (:func:`~lessonlib.grading.judge.run_judge`): this process decides
