@@ -292,6 +292,7 @@ FUNCTION = "def my_f(x, table):\n{body}\n    return x\n"
     ("    y = torch.utils.data", "utils reaches past tensors"),
     ("    y = torch.os.system", "torch.os.system is not a PyTorch function"),
     ("    y = torch.os", "is a module, not a function"),
+    ("    y = F.Callable", "F.Callable is not a PyTorch function"),
     ("    y = x.register_hook(print)", r"\.register_hook is not a public attribute"),
     ("    y = np", "np is neither"),
     ("    torch = table", "torch is rebound"),

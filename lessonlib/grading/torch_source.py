@@ -113,8 +113,8 @@ def _check_library_path(node: ast.Attribute, where: str) -> None:
     module = str(getattr(obj, "__module__", None) or "")
     if node.id == "reference" and not module.startswith("lessonlib.reference"):
         raise NotInSubset(f"{where}: {path} is not one of lessonlib.reference's own functions")
-    if node.id == "torch" and not (module.startswith("torch") or isinstance(obj, (int, float, bool, torch.dtype))
-                                   or module == "builtins"):
+    if node.id in ("torch", "F") and not (module.startswith("torch") or module == "builtins"
+                                          or isinstance(obj, (int, float, bool, torch.dtype))):
         raise NotInSubset(f"{where}: {path} is not a PyTorch function or type")
 
 
