@@ -73,11 +73,12 @@ def definitions(cells: list[str]) -> dict[str, tuple[ast.FunctionDef, str]]:
 
 
 def _attributes() -> set[str]:
-    """Public attributes of what a tensor expression can hold: tensors, dtypes, devices, sizes, and a dict's views
-    (lesson 05's answers walk a dict of tensors)."""
+    """Public attributes of what a tensor expression can hold: tensors, dtypes, devices, sizes, and the methods of
+    a dict or list of them (lesson 05's answers walk a dict of tensors; ``static.update(new)`` is a mistake its
+    checker explains)."""
     import torch
 
-    names = {"items", "keys", "values"}
+    names = {"items", "keys", "values", "get", "update", "append"}
     for kind in (torch.Tensor, torch.dtype, torch.device, torch.Size):
         names |= {n for n in dir(kind) if not n.startswith("_")}
     return names - TENSOR_DENIED
