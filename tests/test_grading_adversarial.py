@@ -6,8 +6,9 @@ host socket and the course stay unchanged; nothing of the run survives it; grade
 The sandbox must start wherever bubblewrap is installed: there this file fails, not skips, when it cannot.
 
 Cost on 2 cores: one grading run of 18 trimmed lesson-01 notebooks (set-up and its three exercises) and one trimmed
-lesson-03 notebook (set-up and physical_slot: the always-equal row), two at a time, and a git clone: 60 to 80 s here with the machine's load average at 6, 175 s at 20 (2026-12-05).
-"""
+lesson-03 notebook (set-up and physical_slot: the always-equal row), two at a time, and a git clone: 60 to 80 s
+here with the machine's load average at 6, 175 s at 20 (2026-12-05, 19 lesson-01 notebooks); 251 s at 10 to 12 with
+the validated runner (a third sandboxed process per notebook with kernel checks), 2026-12-05."""
 
 import csv
 import os

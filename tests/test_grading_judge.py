@@ -1,6 +1,11 @@
 """Issue 43's pieces, each alone and cheap (seconds): the plain-data channel between the judge and a submission's
-runner, the Triton-only kernel source the judge defines, the course's release check, and the grader refusing to
-run without a sandbox."""
+runner (an always-equal answer arrives as what it is), the Triton-only kernel source and the PyTorch-subset function
+source the validated runner defines, a lesson-04 attack through the judge, the course's release check, and the
+grader refusing to run without a sandbox.
+
+Cost on 2 cores: 32 s for the file with the machine's load average near 10 (2026-12-05); the slowest are the release
+check's git clone (15 s), lesson 05's alternative answer under its checker (7 s) and the lesson-04 forger graded
+through a judge process (5 s)."""
 
 import contextlib
 import os
