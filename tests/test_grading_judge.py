@@ -324,9 +324,13 @@ STACK_WALKER = ("def my_scale_by_max(x):\n    frame = sys._getframe(1)\n    fram
 DYNAMO = ("def my_scale_by_max(x):\n    torch._dynamo.utils.counters.clear()\n"
           "    return x / x.abs().max().item() * 2.0\n")
 FORGER = '''def my_scale_by_max(x):
-    import json, os, sys
+    import json, os
     line = json.dumps({"index": 3, "status": "ok", "stdout": "no_graph_break: forged", "ename": "", "evalue": ""})
-    os.write(int(sys.argv[-1]), (line + "\\n").encode())
+    for fd in os.listdir("/proc/self/fd"):  # whichever is the outcome pipe
+        try:
+            os.write(int(fd), (line + "\\n").encode())
+        except OSError:
+            pass
     os._exit(0)
 '''
 
@@ -340,7 +344,7 @@ def graded_04(tmp_path, solution: str):
     sources = ["", "import torch\nfrom lessonlib.exercises import check_no_graph_break\n", solution,
                exercise.checker_source]
     boxes = {}
-    for role in ("runner", "judge", "validated"):
+    for role in ("runner", "judge"):
         box = sandbox.Box("none", tmp_path / role / "s", tmp_path / role / "w", (), 1 << 28, 512, 1 << 28)
         sandbox.prepare(box)
         boxes[role] = (box, sandbox.environment(box, {"LESSONLIB_GRADING_SCRATCH": str(box.work),

@@ -120,8 +120,9 @@ def _runner_reached(reply_fd: int, index: int, timeout: float) -> bool:
         return False
 
 
-def run_judge(request_fd: int, reply_fd: int, result_fd: int, validated_fd: int = -1) -> None:
+def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     request = json.loads(sys.stdin.read())
+    sys.stdin.close()
     timeout = float(request["cell_timeout"])
     from lessonlib import runtime
 
@@ -133,7 +134,9 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int, validated_fd: int 
     def alarm(signum, frame):
         raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
-    validated = wire.Lines(validated_fd, time.monotonic() + float(request["wait_timeout"]))
+    valid = [e for e in request["checks"] if e.get("validated")]
+    validated = wire.Lines(_fork_validated(valid, timeout) if valid else -1,
+                           time.monotonic() + float(request["wait_timeout"]))
     for entry in request["checks"]:
         if entry.get("validated"):  # checked by the validated runner: its outcome, read as plain data
             line = validated.outcome(entry["index"])
@@ -171,6 +174,38 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int, validated_fd: int 
                            "ename": ename, "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
     os._exit(0)
+
+
+def _fork_validated(checks: list[dict], timeout: float) -> int:
+    """Start the validated runner (:mod:`~lessonlib.grading.validated`): a fork of the judge, made before the judge
+    runs any check (it has run nothing of the submission; a fork spares a second import of torch and Triton, the
+    bulk of a process's start), holding no descriptor but its outcome pipe. Returns the pipe's read end. The judge
+    is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor read its
+    memory."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+    read, write = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in map(int, os.listdir("/proc/self/fd")):
+                if fd > 2 and fd != write:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            from lessonlib.grading import validated
+
+            validated.run_checks(checks, timeout, write)
+        finally:
+            os._exit(0)
+    os.close(write)
+    return read
 
 
 def run_runner(request_fd: int, reply_fd: int) -> None:
@@ -284,12 +319,9 @@ def _start(role: str, box, env: dict, fds: tuple, log, request: dict):
     """``role``'s process in ``box``: its raw output capped into ``log``, ``request`` on its stdin."""
     from lessonlib.grading import sandbox
 
-    module = "validated" if role == "validated" else "judge"
-    entry = f"import sys; from lessonlib.grading.{module} import main; main(" + (
-        "int(sys.argv[1]))" if role == "validated" else "sys.argv[1:])")
+    entry = "import sys; from lessonlib.grading.judge import main; main(sys.argv[1:])"
     sink = sandbox.CappedSink(log, 1_000_000)
-    argv = sandbox.wrap(box, [sys.executable, "-c", entry, *([] if role == "validated" else [role]),
-                              *map(str, fds)], env)
+    argv = sandbox.wrap(box, [sys.executable, "-c", entry, role, *map(str, fds)], env)
     process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
                                env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
                                cwd=box.work, start_new_session=True)
@@ -304,35 +336,27 @@ def _start(role: str, box, env: dict, fds: tuple, log, request: dict):
 
 def score(sources: list[str], checks: dict, exercises_: list, boxes: dict, timeout: float, cell_timeout: float,
           logs: dict) -> tuple[dict[int, tuple], list[str]]:
-    """Run the runner, the validated runner and the judge (see the module docstring), each only where a check needs
-    it; returns ({index: (status, stdout, ename, evalue)}, notes). ``boxes``: {role: (its sandbox, its
-    environment)}; ``logs``: {role: its output file}."""
+    """Run the runner (where a check calls the student's code) and the judge, which forks the validated runner
+    where there is a validated check (see the module docstring); returns ({index: (status, stdout, ename, evalue)},
+    notes). ``boxes``: {"runner", "judge": (its sandbox, its environment)}; ``logs``: {role: its output file}."""
     from lessonlib.grading import sandbox, scoring
 
     planned = plan_checks(sources, checks, exercises_)
     remote = {e["index"] for e in planned if not e.get("validated") and not e.get("refused")}
-    valid = [e for e in planned if e.get("validated") and not e.get("refused")]
     runner_cells = [{"source": c["source"]} if c["exercise"] is None else {"check": c["index"]}
                     for c in scoring.apart(sources, checks, exercises_)
                     if c["index"] > 0 and (c["exercise"] is None or c["index"] in remote)]
     calls_read, calls_write = os.pipe()  # the judge's calls, to the runner
     replies_read, replies_write = os.pipe()  # the runner's answers, to the judge
     results_read, results_write = os.pipe()  # the judge's outcomes, to the grader
-    valid_read, valid_write = os.pipe() if valid else (-1, -1)  # the validated runner's outcomes, to the judge
     started = []
     if remote:
         started.append(_start("runner", *boxes["runner"], (calls_read, replies_write), logs["runner"],
                               {"cells": runner_cells, "cell_timeout": cell_timeout}))
-    if valid:
-        started.append(_start("validated", *boxes["validated"], (valid_write,), logs["validated"],
-                              {"checks": valid, "cell_timeout": cell_timeout}))
-    judge_fds = (calls_write, replies_read, results_write) + ((valid_read,) if valid else ())
-    judge = _start("judge", *boxes["judge"], judge_fds, logs["judge"],
-                   {"cell_timeout": cell_timeout, "wait_timeout": timeout,
-                    "checks": [{k: v for k, v in e.items() if k != "source"} for e in planned]})
-    for fd in (calls_read, calls_write, replies_read, replies_write, results_write, valid_read, valid_write):
-        if fd >= 0:
-            os.close(fd)
+    judge = _start("judge", *boxes["judge"], (calls_write, replies_read, results_write), logs["judge"],
+                   {"cell_timeout": cell_timeout, "wait_timeout": timeout, "checks": planned})
+    for fd in (calls_read, calls_write, replies_read, replies_write, results_write):
+        os.close(fd)
     chunks: list[bytes] = []
 
     def drain():

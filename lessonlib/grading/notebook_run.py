@@ -319,7 +319,7 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
                    pristine: Path | None = None) -> NotebookReport:
     """Grade one submitted notebook against the instructor's exercises (see the module docstring): its kernel (in a
     sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the
-    feedback and the graded copy, while the judge and the runners (:func:`judge.score`), each in a sandbox of its own,
+    feedback and the graded copy, while the judge and the runner (:func:`judge.score`), each in a sandbox of its own,
     run the pristine checks; a check's points need both the judge's "ok" and the kernel to have reached it."""
     from concurrent.futures import ThreadPoolExecutor
 
@@ -344,11 +344,10 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
         _marker(checks[i], token) if i in checks else source for i, source in enumerate(sources) if i]
     logs.parent.mkdir(parents=True, exist_ok=True)
     boxes = {"runner": (box, _environment(box))}
-    for role, folder in (("judge", "j"), ("validated", "v")):  # each process in a sandbox of its own
-        boxes[role] = (dataclasses.replace(box, writable=scratch / f"{folder}s", work=scratch / f"{folder}w"),)
-        sandbox.prepare(boxes[role][0])
-        boxes[role] += (_environment(boxes[role][0]),)
-    with ThreadPoolExecutor(max_workers=1) as pool:  # the judge, apart from the submission's runners
+    judge_box = dataclasses.replace(box, writable=scratch / "js", work=scratch / "jw")  # a sandbox of its own
+    sandbox.prepare(judge_box)
+    boxes["judge"] = (judge_box, _environment(judge_box))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the judge, apart from the submission's runner
         scored = pool.submit(judge.score, sources, checks, exercises_, boxes, limits.notebook_timeout,
                              limits.cell_timeout, {role: logs.with_name(f"{logs.name}.{role}.txt") for role in boxes})
         executed, status, notes = _run_cells(kernel_sources, box, limits, logs.with_name(logs.name + ".kernel.txt"))

@@ -1,18 +1,21 @@
-"""The validated runner: a fresh sandboxed ``python`` that runs lessonlib's checkers on the submission's validated
-answers and on nothing else of the submission::
+"""The validated runner: a process that runs lessonlib's checkers on the submission's validated answers and on
+nothing else of the submission.
 
-    python -c "import sys; from lessonlib.grading.validated import main; main(int(sys.argv[1]))" RESULT_FD < request
+Its checks are those whose answer is source text the grader took from the notebook and validated: a kernel
+exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`, Triton language only) and, for the
+checkers that must run the student's function in their own process (``torch.compile`` traces it, a CUDA graph
+captures it, a checker compares tensors' addresses: :data:`~lessonlib.grading.judge.IN_PROCESS`), the function's
+source in the grader's PyTorch subset (:mod:`~lessonlib.grading.torch_source`). For each, in order, it defines the
+source in a namespace of its own (``triton.jit`` for a kernel; ``torch``, ``F``, ``math`` and
+``lessonlib.reference`` for a function), runs the pristine checker on it, and writes the outcome to its pipe as one
+JSON line (index, status, what the checker printed, the error's name and text). The judge reads these lines, checks
+their form and reports them as its own.
 
-The request (on stdin, read whole and closed first) lists the checks whose answer is source text the grader took
-from the notebook and validated: a kernel exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`,
-Triton language only) and, for the checkers that must run the student's function in their own process
-(``torch.compile`` traces it, a CUDA graph captures it, a checker compares tensors' addresses:
-:data:`~lessonlib.grading.judge.IN_PROCESS`), the function's source in the grader's PyTorch subset
-(:mod:`~lessonlib.grading.torch_source`). For each, in order, it defines the source in a namespace of its own (``triton.jit`` for a kernel; ``torch``, ``F``, ``math`` and
-``lessonlib.reference`` for a function), runs the pristine checker on it, and writes the outcome to ``RESULT_FD`` as
-one JSON line (index, status, what the checker printed, the error's name and text). The judge reads these lines,
-checks their form and reports them as its own (:func:`~lessonlib.grading.judge.run_judge`): this process decides
-nothing, and the judge runs no code that came from the submission.
+The judge starts it as a fork of itself, inside the judge's sandbox, before the judge runs any check
+(:func:`~lessonlib.grading.judge._fork_validated`): a fresh process that has run nothing of the submission and
+holds no descriptor but its pipe (a sandbox of its own would cost a second start of torch and Triton per notebook:
+the grading cost's bound of issue 43). It decides nothing, and the judge runs no code that came from the
+submission.
 """
 
 from __future__ import annotations
@@ -56,19 +59,15 @@ def define_function(name: str, source: str):
     return namespace[name]
 
 
-def main(result_fd: int) -> None:
-    request = json.loads(sys.stdin.read())
-    sys.stdin.close()
-    timeout = float(request["cell_timeout"])
-    from lessonlib import runtime
-
-    runtime.mode()  # the Triton mode (TRITON_INTERPRET on a CPU) chosen before triton.language is imported
+def run_checks(checks: list[dict], timeout: float, result_fd: int) -> None:
+    """Run each check's pristine checker on its validated source, each within ``timeout`` seconds; one outcome line
+    per check on ``result_fd``."""
     from lessonlib import exercises
 
     def alarm(signum, frame):
         raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
-    for entry in request["checks"]:
+    for entry in checks:
         captured, status, ename, evalue = io.StringIO(), "ok", "", ""
         signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -90,8 +89,3 @@ def main(result_fd: int) -> None:
                            "ename": ename[:100], "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
     sys.stdout.flush()
-    os._exit(0)
-
-
-if __name__ == "__main__":
-    main(int(sys.argv[1]))
