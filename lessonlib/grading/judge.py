@@ -11,7 +11,8 @@
   function of a checker that must run it in its own process (:data:`IN_PROCESS`: ``torch.compile`` traces it, a CUDA
   graph captures it, a checker compares tensors' addresses) in a small PyTorch subset
   (:mod:`~lessonlib.grading.torch_source`). A notebook whose answer is outside these gets 0 with the reason and runs
-  nothing. Each check's outcome goes to the judge as one JSON line. Started only where there is such a check.
+  nothing. Each check's outcome goes to the judge as one JSON line. Where there is such a check, the judge forks it
+  before running any check of its own, inside the judge's sandbox (:func:`~lessonlib.grading.validated.fork`).
 - The **judge** (``python -m lessonlib.grading.judge judge``) imports lessonlib's checkers and runs each pristine
   checker cell with the student's function replaced by a :class:`Remote`, which forwards each call to the runner and
   returns what came back, checked; for a validated check it reads the validated runner's line, checks its form and
@@ -134,8 +135,10 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     def alarm(signum, frame):
         raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
+    from lessonlib.grading import validated as validated_runner
+
     valid = [e for e in request["checks"] if e.get("validated")]
-    validated = wire.Lines(_fork_validated(valid, timeout) if valid else -1,
+    validated = wire.Lines(validated_runner.fork(valid, timeout) if valid else -1,
                            time.monotonic() + float(request["wait_timeout"]))
     for entry in request["checks"]:
         if entry.get("validated"):  # checked by the validated runner: its outcome, read as plain data
@@ -174,38 +177,6 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
                            "ename": ename, "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
     os._exit(0)
-
-
-def _fork_validated(checks: list[dict], timeout: float) -> int:
-    """Start the validated runner (:mod:`~lessonlib.grading.validated`): a fork of the judge, made before the judge
-    runs any check (it has run nothing of the submission; a fork spares a second import of torch and Triton, the
-    bulk of a process's start), holding no descriptor but its outcome pipe. Returns the pipe's read end. The judge
-    is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor read its
-    memory."""
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
-    except (OSError, AttributeError):
-        pass
-    read, write = os.pipe()
-    sys.stdout.flush()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            for fd in map(int, os.listdir("/proc/self/fd")):
-                if fd > 2 and fd != write:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-            from lessonlib.grading import validated
-
-            validated.run_checks(checks, timeout, write)
-        finally:
-            os._exit(0)
-    os.close(write)
-    return read
 
 
 def run_runner(request_fd: int, reply_fd: int) -> None:

@@ -12,7 +12,7 @@ JSON line (index, status, what the checker printed, the error's name and text). 
 their form and reports them as its own.
 
 The judge starts it as a fork of itself, inside the judge's sandbox, before the judge runs any check
-(:func:`~lessonlib.grading.judge._fork_validated`): a fresh process that has run nothing of the submission and
+(:func:`fork`): a fresh process that has run nothing of the submission and
 holds no descriptor but its pipe (a sandbox of its own would cost a second start of torch and Triton per notebook:
 the grading cost's bound of issue 43). It decides nothing, and the judge runs no code that came from the
 submission.
@@ -89,3 +89,33 @@ def run_checks(checks: list[dict], timeout: float, result_fd: int) -> None:
                            "ename": ename[:100], "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
     sys.stdout.flush()
+
+
+def fork(checks: list[dict], timeout: float) -> int:
+    """Start the validated runner: a fork of the judge (:func:`~lessonlib.grading.judge.run_judge`), made before
+    the judge runs any check (it has run nothing of the submission; a fork spares a second import of torch and
+    Triton, the bulk of a process's start), holding no descriptor but its outcome pipe. Returns the pipe's read end. The judge
+    is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor read its
+    memory."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
+    except (OSError, AttributeError):
+        pass
+    read, write = os.pipe()
+    sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            for fd in map(int, os.listdir("/proc/self/fd")):
+                if fd > 2 and fd != write:
+                    try:
+                        os.close(fd)
+                    except OSError:
+                        pass
+            run_checks(checks, timeout, write)
+        finally:
+            os._exit(0)
+    os.close(write)
+    return read
