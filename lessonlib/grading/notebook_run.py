@@ -158,8 +158,9 @@ def _kernel_manager(box: sandbox.Box, **kwargs):
 
 
 def _environment(box: sandbox.Box) -> dict[str, str]:
-    """The environment of the kernel and of the grader's other processes: allowlisted, lessonlib's scratch in the working folder,
-    the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added to the path."""
+    """The environment of the kernel and of the grader's other processes: allowlisted, lessonlib's scratch in the
+    working folder, the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added
+    to the path."""
     return sandbox.environment(box, {
         "LESSONLIB_SCRATCH": str(box.work / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(box.work),
         "PYTHONPATH": str(box.readable[0]) if box.readable else str(ROOT)})
