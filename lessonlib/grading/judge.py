@@ -138,8 +138,8 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     from lessonlib.grading import validated as validated_runner
 
     valid = [e for e in request["checks"] if e.get("validated")]
-    validated = wire.Lines(validated_runner.fork(valid, timeout) if valid else -1,
-                           time.monotonic() + float(request["wait_timeout"]))
+    fd, pid = validated_runner.fork(valid, timeout) if valid else (-1, 0)
+    validated = wire.Lines(fd, time.monotonic() + float(request["wait_timeout"]))
     for entry in request["checks"]:
         if entry.get("validated"):  # checked by the validated runner: its outcome, read as plain data
             line = validated.outcome(entry["index"])
@@ -176,6 +176,12 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
         line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
                            "ename": ename, "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
+    if pid:  # every outcome read (or past the deadline): the validated runner is done
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
     os._exit(0)
 
 

@@ -91,11 +91,11 @@ def run_checks(checks: list[dict], timeout: float, result_fd: int) -> None:
     sys.stdout.flush()
 
 
-def fork(checks: list[dict], timeout: float) -> int:
+def fork(checks: list[dict], timeout: float) -> tuple[int, int]:
     """Start the validated runner: a fork of the judge (:func:`~lessonlib.grading.judge.run_judge`), made before
     the judge runs any check (it has run nothing of the submission; a fork spares a second import of torch and
-    Triton, the bulk of a process's start), holding no descriptor but its outcome pipe. Returns the pipe's read
-    end. The judge is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor
+    Triton, the bulk of a process's start), holding no descriptor but its outcome pipe. Returns (the pipe's read
+    end, its pid). The judge is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor
     read its memory."""
     import ctypes
 
@@ -118,4 +118,4 @@ def fork(checks: list[dict], timeout: float) -> int:
         finally:
             os._exit(0)
     os.close(write)
-    return read
+    return read, pid
