@@ -95,8 +95,8 @@ def fork(checks: list[dict], timeout: float) -> tuple[int, int]:
     """Start the validated runner: a fork of the judge (:func:`~lessonlib.grading.judge.run_judge`), made before
     the judge runs any check (it has run nothing of the submission; a fork spares a second import of torch and
     Triton, the bulk of a process's start), holding no descriptor but its outcome pipe. Returns (the pipe's read
-    end, its pid). The judge is made non-dumpable first: a process of the same user (the fork) can then neither trace it nor
-    read its memory."""
+    end, its pid). The judge is made non-dumpable first: a process of the same user (the fork) can then neither
+    trace it nor read its memory."""
     import ctypes
 
     try:
