@@ -62,9 +62,9 @@ that allocates without end is stopped by the machine's OOM killer); what a valid
 checker in the validated runner (the tensors it is given, the public torch or Triton functions the subsets allow:
 not the checker's frames, modules or result channel), and, were an answer to escape its subset, the judge's sandbox,
 which the validated runner shares (the judge is non-dumpable: not traced nor read by a process of its user); a
-Triton kernel's own behaviour beyond what its checker observes (issue 41's checkers certify the launch); a solution that calls ``lessonlib.reference`` or
-``lessonlib.ops`` (the instructor reads the code in ``graded/``); the grader's own modules, imported before the
-release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can also write any file the grader's
+Triton kernel's own behaviour beyond what its checker observes (issue 41's checkers certify the launch); a solution
+that calls ``lessonlib.reference`` or ``lessonlib.ops`` (the instructor reads the code in ``graded/``); the grader's
+own modules, imported before the release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can also write any file the grader's
 user can (the course is put back; ``grades.csv`` and the rest are not), start processes that outlive it and reach the
 network.
 
