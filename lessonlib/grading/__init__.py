@@ -64,9 +64,9 @@ not the checker's frames, modules or result channel), and, were an answer to esc
 which the validated runner shares (the judge is non-dumpable: not traced nor read by a process of its user); a
 Triton kernel's own behaviour beyond what its checker observes (issue 41's checkers certify the launch); a solution
 that calls ``lessonlib.reference`` or ``lessonlib.ops`` (the instructor reads the code in ``graded/``); the grader's
-own modules, imported before the release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can also write any file the grader's
-user can (the course is put back; ``grades.csv`` and the rest are not), start processes that outlive it and reach the
-network.
+own modules, imported before the release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can
+also write any file the grader's user can (the course is put back; ``grades.csv`` and the rest are not), start
+processes that outlive it and reach the network.
 
 The package, one module per job: :mod:`~lessonlib.grading.exercise_format` (the format, student copies, nbgrader's
 configuration), :mod:`~lessonlib.grading.kernel_side` (the plan's first cell and its checker cells),
