@@ -111,14 +111,15 @@ def test_every_exercise_has_nbgrader_metadata():
         validator.validate_nb(read(name))
 
 
-def test_every_name_resolves_and_the_scoring_process_imports_no_notebook_library():
-    """lessonlib.grading's names are imported on first use: each one resolves, and the scoring process (a plain
-    python importing lessonlib.grading.scoring) loads neither nbformat nor nbclient (nbformat's import costs seconds
-    of CPU in every graded notebook's scoring run)."""
+def test_every_name_resolves_and_the_grading_processes_import_no_notebook_library():
+    """lessonlib.grading's names are imported on first use: each one resolves, and the judge and the runners (plain
+    pythons importing lessonlib.grading's modules) load neither nbformat nor nbclient (nbformat's import costs
+    seconds of CPU in every process of every graded notebook)."""
     assert all(getattr(grading, name) is not None for name in grading.__all__)
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         grading.nothing  # noqa: B018
-    probe = ("import sys, lessonlib.grading.scoring; "
+    probe = ("import sys, lessonlib.grading.judge, lessonlib.grading.validated, lessonlib.grading.torch_source, "
+             "lessonlib.grading.kernel_source; "
              "print(sorted(m for m in ('nbformat', 'nbclient', 'jsonschema') if m in sys.modules))")
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "[]", result.stdout + result.stderr[-2000:]
@@ -231,7 +232,7 @@ def trimmed_run(tmp_path_factory):
             "    check_free_sequence=lambda fn: print('correct'))\n" + cell(stub, "my_free_sequence").source)),
         # A notebook that misbehaves: graded for what ran.
         # Interrupted at the cell limit; the notebook goes on. The loop sleeps: an interrupt stops it as it stops a
-        # busy one, without burning a core for the limit's 40 s twice (the notebook's run and the scoring run).
+        # busy one, without burning a core for the limit's 40 s twice (the notebook's run and the runner's).
         "hangs": edited(instructor, my_free_sequence=(
             "import time\n\ndef my_free_sequence(table, ref_counts, free_blocks):\n    while True:\n"
             "        time.sleep(0.05)\n")),

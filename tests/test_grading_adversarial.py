@@ -5,9 +5,10 @@ host socket and the course stay unchanged; nothing of the run survives it; grade
 
 The sandbox must start wherever bubblewrap is installed: there this file fails, not skips, when it cannot.
 
-Cost on 2 cores: one grading run of 19 trimmed lesson-01 notebooks (set-up and its three exercises), two at a time,
-and a git clone: 60 to 80 s here with the machine's load average at 6, 175 s at 20 (2026-12-05).
-"""
+Cost on 2 cores: one grading run of 18 trimmed lesson-01 notebooks (set-up and its three exercises) and one trimmed
+lesson-03 notebook (set-up and physical_slot: the always-equal row), two at a time, and a git clone: 60 to 80 s
+here with the machine's load average at 6, 175 s at 20 (2026-12-05, 19 lesson-01 notebooks); 251 s at 10 to 12 with
+the validated runner (a third sandboxed process per notebook with kernel checks), 2026-12-05."""
 
 import csv
 import os
@@ -29,6 +30,7 @@ from tests.test_grading_sandbox import trimmed
 
 ROOT = Path(__file__).resolve().parents[1]
 FUSION = "01_operator_fusion.ipynb"
+PAGED = "03_paged_attention.ipynb"  # its physical_slot (1 point) only: the always-equal row
 KERNELS = ("swiglu", "add_rms_norm")  # the kernel exercises (2 + 3 points); swiglu_ratio is a prediction (1)
 SECRET = "answer-key-" + os.urandom(8).hex()
 
@@ -122,17 +124,16 @@ for _o in gc.get_objects():
             if _c.get("exercise"):
                 os.write(int(sys.argv[-1]), (repr((_o["nonce"], _i, "ok", "forged", "", "")) + "\\n").encode())
 '''
+# An always-equal answer where lesson 03 expects numbers: handed to the checker as itself (the old, in-process
+# design) it passes check_physical_slot, whose `tuple(got) != want` asks the object (test_grading_judge shows it);
+# through the wire it arrives as what it is, not a number, and gets nothing.
 ALWAYS_EQUAL = '''
-class _Same(float):
+class _Same:
     def __eq__(self, other): return True
     def __ne__(self, other): return False
-    def __sub__(self, other): return 0.0
-    __rsub__ = __sub__
-    def __abs__(self): return 0.0
-    def __float__(self): return 0.0
-    __hash__ = float.__hash__
-def my_swiglu_ratio(tokens, intermediate, itemsize, eager_us, fused_us):
-    return _Same(1.0), _Same(1.0)
+    __hash__ = object.__hash__
+def my_physical_slot(position, block_table, block_size):
+    return (_Same(), _Same())
 '''
 FLOOD = '''
 from IPython.display import display
@@ -277,6 +278,9 @@ def run_attacks(base: Path, mode: str) -> dict:
     solved = trimmed(nbformat.read(ROOT / "notebooks" / FUSION, as_version=4), solutions)
     stub = trimmed(nbformat.read(ROOT / "notebooks" / "student" / FUSION, as_version=4), solutions)
     nbformat.write(solved, course / FUSION)
+    paged = {"my_physical_slot"}
+    nbformat.write(trimmed(nbformat.read(ROOT / "notebooks" / PAGED, as_version=4), paged), course / PAGED)
+    paged_stub = trimmed(nbformat.read(ROOT / "notebooks" / "student" / PAGED, as_version=4), paged)
     (base / "answer-key.txt").write_text(SECRET)
     out, subs = base / "graded", base / "submissions"
     kernel = "my_swiglu_kernel"  # the first solution cell
@@ -294,7 +298,6 @@ def run_attacks(base: Path, mode: str) -> dict:
         "overwrites_after_launch": appended(stub, "my_add_rms_norm_kernel", OVERWRITES),
         "reads_solved": appended(stub, "my_add_rms_norm_kernel", solved_from(str(course / FUSION))
                                  + solved_from(str(ROOT / "notebooks" / FUSION))),
-        "always_equal": appended(stub, "my_swiglu_ratio", ALWAYS_EQUAL),
         "secret": appended(stub, "my_swiglu_ratio", reads(str(base / "answer-key.txt"))),
         "hostname": appended(stub, "my_swiglu_ratio", reads("/etc/hostname")),
         "socket": appended(stub, kernel, connects(str(base / "host.sock"))),
@@ -305,6 +308,8 @@ def run_attacks(base: Path, mode: str) -> dict:
     for student, notebook in cases.items():
         (subs / student).mkdir(parents=True)
         nbformat.write(notebook, subs / student / FUSION)
+    (subs / "always_equal").mkdir()
+    nbformat.write(appended(paged_stub, "my_physical_slot", ALWAYS_EQUAL), subs / "always_equal" / PAGED)
     (subs / "symlink").mkdir()
     (subs / "symlink" / FUSION).symlink_to(course / FUSION)
     (subs / "fifo").mkdir()
@@ -363,7 +368,7 @@ ATTACKED_ITEMS = {  # submission -> the items it attacks (it is the untouched st
     "gc_nonce": ("swiglu", "swiglu_ratio", "add_rms_norm"),
     "class_spoof": KERNELS, "isnan_mock": KERNELS, "exec_into_lessonlib": KERNELS, "compiled_as_lessonlib": KERNELS,
     "fake_kernel": KERNELS, "patched_jit": KERNELS, "overwrites_after_launch": KERNELS, "reads_solved": ("swiglu", "swiglu_ratio", "add_rms_norm"),
-    "symlink": ("swiglu", "swiglu_ratio", "add_rms_norm"), "always_equal": ("swiglu_ratio",),
+    "symlink": ("swiglu", "swiglu_ratio", "add_rms_norm"), "always_equal": ("physical_slot",),
     "tamper": ("swiglu", "swiglu_ratio", "add_rms_norm"), "fifo": ("swiglu", "swiglu_ratio", "add_rms_norm"),
 }
 

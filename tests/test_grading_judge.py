@@ -1,11 +1,19 @@
 """Issue 43's pieces, each alone and cheap (seconds): the plain-data channel between the judge and a submission's
-runner, the Triton-only kernel source the judge defines, the course's release check, and the grader refusing to
-run without a sandbox."""
+runner (an always-equal answer arrives as what it is), the Triton-only kernel source and the PyTorch-subset function
+source the validated runner defines, a lesson-04 attack through the judge, the course's release check, and the
+grader refusing to run without a sandbox.
 
+Cost on 2 cores: 32 s for the file with the machine's load average near 10 (2026-12-05); the slowest are the release
+check's git clone (15 s), lesson 05's alternative answer under its checker (7 s) and the lesson-04 forger graded
+through a judge process (5 s)."""
+
+import contextlib
 import os
+import re
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import nbformat
@@ -13,8 +21,10 @@ import pytest
 import torch
 
 from lessonlib import grading
-from lessonlib.grading import judge, release, wire
+from lessonlib.grading import judge, release, validated, wire
 from lessonlib.grading.kernel_source import NotAKernel, kernel_source
+from lessonlib.grading.torch_source import NotInSubset, function_source
+from tests.test_grading_adversarial import ALWAYS_EQUAL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,9 +54,62 @@ def test_objects_of_the_submission_arrive_as_plain_values_or_not_at_all():
     class Fake:
         pass
 
-    back = roundtrip([Same(1.5), Fake(), torch.nn.Parameter(torch.ones(2))])
+    class SameInt(int):
+        def __eq__(self, other):
+            return True
+
+        __hash__ = int.__hash__
+
+    class Posing:  # isinstance(x, float) is True: it claims float's class
+        __class__ = property(lambda self: float)
+
+        def __eq__(self, other):
+            return True
+
+    back = roundtrip([Same(1.5), Fake(), torch.nn.Parameter(torch.ones(2)), SameInt(7), Posing()])
     assert type(back[0]) is float and back[0] == 1.5 and back[0] != 2.0
     assert isinstance(back[1], wire.Foreign) and isinstance(back[2], wire.Foreign)
+    assert type(back[3]) is int and back[3] == 7 and back[3] != 8
+    assert isinstance(back[4], wire.Foreign) and back[4] != 1.0
+
+
+@contextlib.contextmanager
+def runner_on_a_thread(namespace: dict):
+    """The runner's side of the wire (:func:`judge._serve`) answering from ``namespace`` on a thread, and the judge's
+    :class:`judge.Remote` for a name: the grader's two ends and their pipes, without the processes."""
+    calls_read, calls_write = os.pipe()
+    replies_read, replies_write = os.pipe()
+    thread = threading.Thread(target=judge._serve, args=(namespace, calls_read, replies_write), daemon=True)
+    thread.start()
+    try:
+        yield lambda name: judge.Remote(name, calls_write, replies_read, 30)
+    finally:
+        wire.send(calls_write, {"done": 0})  # _serve returns (it would end its process on a closed channel)
+        thread.join(30)
+        for fd in (calls_read, calls_write, replies_read, replies_write):
+            os.close(fd)
+
+
+def test_an_always_equal_answer_earns_nothing_through_the_wire():
+    """Issue 43's row: an always-equal object where lesson 03 expects numbers. Handed to the checker as itself it
+    passes (``tuple(got) != want`` asks the object): the attack is real. Through the runner and the wire the judge
+    gets plain data, where it is an object of the submission's, not a number: 0."""
+    from lessonlib.exercises import check_physical_slot
+    from lessonlib.exercises._checking import ExerciseFailed
+
+    namespace: dict = {}
+    exec(ALWAYS_EQUAL, namespace)
+    check_physical_slot(namespace["my_physical_slot"])  # the old design: the checker beside the object
+    with runner_on_a_thread(namespace) as remote:
+        with pytest.raises(ExerciseFailed, match="expected"):
+            check_physical_slot(remote("my_physical_slot"))
+        answer = remote("my_physical_slot")(5, [7, 3], 4)
+        assert type(answer) is tuple and all(isinstance(v, wire.Foreign) for v in answer), answer
+        honest: dict = {}
+        exec("def my_physical_slot(position, table, block_size):\n"
+             "    return table[position // block_size], position % block_size\n", honest)
+        namespace.update(honest)  # the same path passes an honest answer
+        check_physical_slot(remote("my_physical_slot"))
 
 
 @pytest.mark.parametrize("data, buffers", [
@@ -156,3 +219,151 @@ def test_without_a_sandbox_the_grader_refuses_unless_told(tmp_path, monkeypatch)
         submissions._sandbox("auto", False, print)
     lines = []
     assert submissions._sandbox("auto", True, lines.append) == "none" and "UNSANDBOXED" in lines[0]
+
+
+# --- The checkers that must run the student's function in their own process (judge.IN_PROCESS): its source in the
+# grader's PyTorch subset, run by the validated runner beside lessonlib's checker and nothing else of the submission.
+
+ALTERNATIVES = {  # another honest answer to each, as a student might write it
+    "my_scale_by_max": "def my_scale_by_max(x):\n    peak = torch.amax(torch.abs(x))\n    return 2.0 * x / peak\n",
+    "my_refresh_static_inputs": ("def my_refresh_static_inputs(static, new):\n    for name in static:\n"
+                                 "        static[name][...] = new[name]\n"),
+    "my_graph_safe_decode_step": '''
+def attend(q, k, v, visible):
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1).float()
+    v = v.repeat_interleave(groups, dim=1).float()
+    scores = torch.einsum("bhd,bhnd->bhn", q.float(), k) / math.sqrt(q.shape[-1])
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    return torch.einsum("bhn,bhnd->bhd", F.softmax(scores, dim=-1), v)
+
+
+def my_graph_safe_decode_step(q, k_new, v_new, k_cache, v_cache, lengths, out):
+    batch, capacity = k_cache.shape[0], k_cache.shape[2]
+    rows = torch.arange(batch, device=q.device)
+    k_cache[rows, :, lengths] = k_new
+    v_cache[rows, :, lengths] = v_new
+    visible = torch.arange(capacity, device=q.device)[None, :] <= lengths[:, None]
+    out.copy_(attend(q, k_cache, v_cache, visible))
+    lengths += 1
+    return out
+''',
+}
+
+
+def in_process_exercises():
+    found = [(name, e) for name, listed in grading.course_exercises(ROOT / "notebooks").items() for e in listed
+             if e.name in judge.IN_PROCESS]
+    assert {e.name for _, e in found} == judge.IN_PROCESS
+    return found
+
+
+def test_the_torch_subset_accepts_the_instructor_solutions_the_stubs_and_alternatives():
+    for name, exercise in in_process_exercises():
+        for folder in (ROOT / "notebooks", ROOT / "notebooks" / "student"):
+            source = function_source(code_cells(folder / name), exercise.solution_id)
+            assert source.startswith(f"def {exercise.solution_id}("), source
+        alternative = function_source(["import torch", ALTERNATIVES[exercise.solution_id]], exercise.solution_id)
+        assert alternative.index("def my_") > (alternative.find("def attend(") if "attend" in alternative else -1)
+
+
+@pytest.mark.parametrize("solution_id", ["my_refresh_static_inputs", "my_graph_safe_decode_step"])
+def test_the_alternatives_pass_their_checkers_as_the_validated_runner_defines_them(solution_id):
+    """Lesson 05's (the CPU path; lesson 04's torch.compile costs seconds more: the grading test below runs it)."""
+    from lessonlib import exercises
+
+    fn = validated.define_function(solution_id, function_source([ALTERNATIVES[solution_id]], solution_id))
+    getattr(exercises, "check_" + solution_id.removeprefix("my_"))(fn)
+
+
+FUNCTION = "def my_f(x, table):\n{body}\n    return x\n"
+
+
+@pytest.mark.parametrize("body, why", [
+    ("    import os", "Import is not"),
+    ("    x.data = table", "assigning to .data"),
+    ("    global table", "Global is not"),
+    ("    f = lambda: 0", "Lambda is not"),
+    ("    class C:\n        pass", "ClassDef is not"),
+    ("    try:\n        pass\n    except Exception:\n        pass", "Try is not"),
+    ("    with torch.no_grad():\n        pass", "With is not"),
+    ("    def inner():\n        pass", "FunctionDef is not"),
+    ("    y = (z := 1)", "NamedExpr is not"),
+    ("    y = __import__('os')", "__import__ is refused"),
+    ("    y = x.__class__", r"\.__class__ starts with _"),
+    ("    y = x._base", r"\._base starts with _"),
+    ("    torch._dynamo.reset()", r"\._dynamo starts with _"),
+    ("    y = torch.load('f')", "load reaches past tensors"),
+    ("    y = torch.utils.data", "utils reaches past tensors"),
+    ("    y = torch.os.system", "torch.os.system is not a PyTorch function"),
+    ("    y = torch.os", "is a module, not a function"),
+    ("    y = F.Callable", "F.Callable is not a PyTorch function"),
+    ("    y = x.register_hook(print)", r"\.register_hook is not a public attribute"),
+    ("    y = np", "np is neither"),
+    ("    torch = table", "torch is rebound"),
+] + [(f"    y = {name}", f"{name} is refused") for name in
+     ("sys", "gc", "inspect", "builtins", "open", "exec", "eval", "getattr", "setattr", "globals")])
+def test_a_function_outside_the_torch_subset_is_refused_with_its_reason(body, why):
+    with pytest.raises(NotInSubset, match=why):
+        function_source([FUNCTION.format(body=body)], "my_f")
+
+
+def test_a_decorated_or_replaced_function_is_refused():
+    with pytest.raises(NotInSubset, match="no decorator"):
+        function_source(["@torch.no_grad()\n" + FUNCTION.format(body="    pass")], "my_f")
+    with pytest.raises(NotInSubset, match="no function my_f"):
+        function_source([FUNCTION.format(body="    pass"), "my_f = print\n"], "my_f")
+    with pytest.raises(NotInSubset, match="no function my_f"):
+        function_source([FUNCTION.format(body="    pass"), "from os import system as my_f\n"], "my_f")
+
+
+# Lesson 04's answer as an attacker writes it: reading the checker's frames, resetting what Dynamo counted, or
+# writing the validated runner's outcome line itself ("ok") and exiting before the checker can say otherwise.
+STACK_WALKER = ("def my_scale_by_max(x):\n    frame = sys._getframe(1)\n    frame.f_locals['breaks'] = []\n"
+                "    return x / x.abs().max().item() * 2.0\n")
+DYNAMO = ("def my_scale_by_max(x):\n    torch._dynamo.utils.counters.clear()\n"
+          "    return x / x.abs().max().item() * 2.0\n")
+FORGER = '''def my_scale_by_max(x):
+    import json, os
+    line = json.dumps({"index": 3, "status": "ok", "stdout": "no_graph_break: forged", "ename": "", "evalue": ""})
+    for fd in os.listdir("/proc/self/fd"):  # whichever is the outcome pipe
+        try:
+            os.write(int(fd), (line + "\\n").encode())
+        except OSError:
+            pass
+    os._exit(0)
+'''
+
+
+def graded_04(tmp_path, solution: str):
+    """judge.score on lesson 04's exercise with ``solution`` as the student's cell: the grader's processes and pipes,
+    unsandboxed (mode none: bubblewrap's own tests are test_grading_sandbox's and the attack test's)."""
+    from lessonlib.grading import sandbox
+
+    exercise = next(e for name, e in in_process_exercises() if e.name == "no_graph_break")
+    sources = ["", "import torch\nfrom lessonlib.exercises import check_no_graph_break\n", solution,
+               exercise.checker_source]
+    boxes = {}
+    for role in ("runner", "judge"):
+        box = sandbox.Box("none", tmp_path / role / "s", tmp_path / role / "w", (), 1 << 28, 512, 1 << 28)
+        sandbox.prepare(box)
+        boxes[role] = (box, sandbox.environment(box, {"LESSONLIB_GRADING_SCRATCH": str(box.work),
+                                                      "PYTHONPATH": str(ROOT)}))
+    found, notes = judge.score(sources, {3: exercise}, [exercise], boxes, 300, 120,
+                               {role: tmp_path / f"{role}.txt" for role in boxes})
+    return found.get(3)
+
+
+@pytest.mark.parametrize("attack, why", [(STACK_WALKER, "refused|starts with _"), (DYNAMO, "starts with _"),
+                                         (FORGER, "Import is not")])
+def test_a_lesson_04_attack_is_refused_before_anything_runs(attack, why):
+    exercise = next(e for name, e in in_process_exercises() if e.name == "no_graph_break")
+    entry, = judge.plan_checks(["", attack, exercise.checker_source], {2: exercise}, [exercise])
+    assert "source" not in entry and re.search(why, entry["refused"]), entry
+
+
+def test_a_lesson_04_forger_gets_nothing_through_the_judge(tmp_path):
+    """Through the judge and (were it accepted) the validated runner, as graded: a few seconds (one judge; an honest
+    lesson-04 answer would add a torch.compile of tens of seconds on a CPU: test_grading grades lesson 05's)."""
+    status, stdout, ename, evalue = graded_04(tmp_path, FORGER)
+    assert status == "error" and "Import is not" in evalue and "forged" not in stdout, (status, stdout, evalue)

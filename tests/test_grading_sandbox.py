@@ -59,7 +59,7 @@ def with_cell(notebook, source: str, after_setup: bool = True) -> nbformat.Noteb
 
 
 def in_solution(notebook, solution_id: str, source: str) -> nbformat.NotebookNode:
-    """A copy whose solution cell ``solution_id`` ends with ``source``: run in the kernel and in the scoring process."""
+    """A copy whose solution cell ``solution_id`` ends with ``source``: run in the kernel and in the runner."""
     copy = nbformat.from_dict(notebook)
     target = next(c for c in copy.cells if c.metadata.get("nbgrader", {}).get("grade_id") == solution_id)
     target.source += "\n\n" + source

@@ -31,12 +31,16 @@ written. Only regular files are read from a student's folder (``O_NOFOLLOW | O_N
 2. *The runner* (:mod:`~lessonlib.grading.judge`), a plain ``python`` in a sandbox of its own, runs the student's
    set-up cells, each solution cell and the imports and function definitions of the other cells, and at each check
    answers the judge's calls of the student's functions with plain data (:mod:`~lessonlib.grading.wire`).
-3. *The judge*, another sandboxed ``python`` that runs no code of the submission, runs each pristine checker with the
-   student's function replaced by a stand-in for the runner; a kernel exercise's answer is the ``@triton.jit``
-   source taken from the notebook and validated as Triton-language only (:mod:`~lessonlib.grading.kernel_source`).
-   The two checkers that must run the student's function in their own process (:data:`judge.IN_PROCESS`) run, as
-   before, in *the scoring process* (:mod:`~lessonlib.grading.scoring`): student code and checker together, with
-   the tamper checks of :mod:`~lessonlib.grading.kernel_side`.
+3. *The validated runner* (:mod:`~lessonlib.grading.validated`), a process of its own (a fork of the judge, in the
+   judge's sandbox, made before the judge runs any check), runs lessonlib's checker on answers that are source text
+   taken from the notebook with :mod:`ast` and validated, and on nothing else of the submission: a kernel
+   exercise's ``@triton.jit`` function, Triton language only (:mod:`~lessonlib.grading.kernel_source`), and the
+   function of a checker that must run it in its own process (:data:`judge.IN_PROCESS`: lesson 04's
+   ``torch.compile``, lesson 05's CUDA graph and tensor addresses), in a small PyTorch subset
+   (:mod:`~lessonlib.grading.torch_source`). An answer outside these gets 0 with the reason.
+4. *The judge*, another sandboxed ``python`` that runs no code that came from the submission, runs each pristine
+   checker with the student's function replaced by a stand-in for the runner, and reads each validated check's
+   outcome from the validated runner as plain data.
 
 An exercise gets its points when its check passed in the judge and the kernel reached its cell; its message is the
 checker's last message, its wrapped lines joined (or its error's first line), cut to 300 characters. After each
@@ -49,26 +53,30 @@ gone.
 deleted or redefined checkers; patched ``lessonlib`` and ``torch``; fake modules; walking the stack or ``gc`` to the
 grader's state; spoofed classes, fake kernel objects (look-alikes, subclasses of Triton's kernel class, a patched
 ``triton.jit``, wrappers that overwrite the output or launch on copies: issue 41's, in every kernel exercise),
-always-equal objects; an IPython input transformer; reading the instructor's notebook, a secret
+always-equal objects; a lesson-04 answer outside the PyTorch subset (a stack walker, a forger of the validated
+runner's outcome); an IPython input transformer; reading the instructor's notebook, a secret
 beside the course, ``/etc/hostname``; a symbolic link or FIFO in the submission; a Unix socket on the host;
 bytecode or ``sitecustomize.py`` written into the checkout; a checkout or Python under ``/tmp``; a detached process
 rewriting ``grades.csv``; the network; floods of output, display metadata or error names; a fork bomb; a full working
 folder; hangs, crashes, broken JSON; two files for one lesson.
 
 **Not defended:** a kernel exploit or a bug in bubblewrap or the kernel's namespaces; memory (no limit: a notebook
-that allocates without end is stopped by the machine's OOM killer); the checks of :data:`judge.IN_PROCESS` (student
-code beside the checker, as the scoring process always was); a Triton kernel's own behaviour beyond what its
-checker observes (issue 41's checkers certify the launch); a solution that calls ``lessonlib.reference`` or
-``lessonlib.ops`` (the instructor reads the code in ``graded/``); the grader's own modules, imported before the
-release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can also write any file the grader's
-user can (the course is put back; ``grades.csv`` and the rest are not), start processes that outlive it and reach the
-network.
+that allocates without end is stopped by the machine's OOM killer); what a validated answer can reach beside the
+checker in the validated runner (the tensors it is given, the public torch or Triton functions the subsets allow:
+not the checker's frames, modules or result channel), and, were an answer to escape its subset, the judge's sandbox,
+which the validated runner shares (the judge is non-dumpable: not traced nor read by a process of its user); a
+Triton kernel's own behaviour beyond what its checker observes (issue 41's checkers certify the launch); a solution
+that calls ``lessonlib.reference`` or ``lessonlib.ops`` (the instructor reads the code in ``graded/``); the grader's
+own modules, imported before the release check runs. Without a sandbox (``--unsafe-no-sandbox``), a notebook can
+also write any file the grader's user can (the course is put back; ``grades.csv`` and the rest are not), start
+processes that outlive it and reach the network.
 
 The package, one module per job: :mod:`~lessonlib.grading.exercise_format` (the format, student copies, nbgrader's
-configuration), :mod:`~lessonlib.grading.kernel_side` (the prelude and the pristine checker cell, run inside the
-scoring process), :mod:`~lessonlib.grading.scoring` (the scoring process, and starting and reading it),
-:mod:`~lessonlib.grading.judge` (the judge and the runner) with :mod:`~lessonlib.grading.wire` (their channel) and
-:mod:`~lessonlib.grading.kernel_source` (a kernel's validated source), :mod:`~lessonlib.grading.release` (the course
+configuration), :mod:`~lessonlib.grading.kernel_side` (the plan's first cell and its checker cells),
+:mod:`~lessonlib.grading.scoring` (which cells the runner runs), :mod:`~lessonlib.grading.judge` (the judge and the
+runner, and starting them) with :mod:`~lessonlib.grading.wire` (their channel),
+:mod:`~lessonlib.grading.validated` (the validated runner), :mod:`~lessonlib.grading.kernel_source` and
+:mod:`~lessonlib.grading.torch_source` (an answer's validated source), :mod:`~lessonlib.grading.release` (the course
 as released),
 :mod:`~lessonlib.grading.sandbox` (the sandboxes, capped raw output) with :mod:`~lessonlib.grading.sandbox_init`
 (their init: mounts, the process watch), :mod:`~lessonlib.grading.notebook_run` (one notebook: plan, run, outcomes)
@@ -78,13 +86,13 @@ here.
 
 import importlib
 
-# Every name is re-exported here, each imported on first use (PEP 562): the scoring process, a plain python that
-# imports lessonlib.grading.scoring, then loads neither nbformat nor nbclient. (nbformat validates notebooks with
+# Every name is re-exported here, each imported on first use (PEP 562): the judge and the runners, plain pythons
+# that import lessonlib.grading's modules, then load neither nbformat nor nbclient. (nbformat validates notebooks with
 # jsonschema, whose import builds rfc3987-syntax's ~35 Earley parsers: 3.7 s of CPU per process on CI's machine.)
 _HOME = {
     "exercise_format": ("BEGIN", "END", "Exercise", "configure_nbgrader", "exercises", "lock", "strip_solutions",
                         "student_copy"),
-    "kernel_side": ("KERNEL_SIDE", "PRELUDE", "checker_cell"),
+    "kernel_side": ("PRELUDE", "checker_cell"),
     "notebook_run": ("ROOT", "Limits", "NotebookReport", "Outcome", "grade_notebook", "plan"),
     "release": ("Course",),
     "sandbox": ("Box", "SandboxUnavailable"),

@@ -1,21 +1,26 @@
-"""Points decided where no submission can reach: a judge process runs the instructor's checkers; the submission's
-code runs in a runner process of its own; both in sandboxes, joined by two pipes that carry plain data only
-(:mod:`~lessonlib.grading.wire`).
+"""Points decided where no submission can reach. Where each thing runs, every process in a sandbox of its own:
 
 - The **runner** (``python -m lessonlib.grading.judge runner``) runs the student's set-up cells, solution cells and
   the definitions of the other cells (:func:`~lessonlib.grading.scoring.apart`), then answers calls: the judge sends a
   function's name and arguments, the runner calls the student's function and sends back its result and its
-  arguments as they are afterwards (a function may fill a list or a tensor it was given).
+  arguments as they are afterwards (a function may fill a list or a tensor it was given), as plain data
+  (:mod:`~lessonlib.grading.wire`). Started only where a check calls the student's code.
+- The **validated runner** (:mod:`~lessonlib.grading.validated`) runs lessonlib's checker on an answer that is source
+  text the grader took from the notebook with :mod:`ast` and validated, and on nothing else of the submission: a
+  kernel exercise's ``@triton.jit`` source (:mod:`~lessonlib.grading.kernel_source`: Triton language only), and the
+  function of a checker that must run it in its own process (:data:`IN_PROCESS`: ``torch.compile`` traces it, a CUDA
+  graph captures it, a checker compares tensors' addresses) in a small PyTorch subset
+  (:mod:`~lessonlib.grading.torch_source`). A notebook whose answer is outside these gets 0 with the reason and runs
+  nothing. Each check's outcome goes to the judge as one JSON line. Where there is such a check, the judge forks it
+  before running any check of its own, inside the judge's sandbox (:func:`~lessonlib.grading.validated.fork`).
 - The **judge** (``python -m lessonlib.grading.judge judge``) imports lessonlib's checkers and runs each pristine
   checker cell with the student's function replaced by a :class:`Remote`, which forwards each call to the runner and
-  returns what came back, checked. A kernel exercise's answer is instead the ``@triton.jit`` source the grader took
-  from the notebook and validated (:mod:`~lessonlib.grading.kernel_source`): the judge defines it with
-  ``triton.jit`` and the checker launches it on the judge's own tensors. The judge runs no other code of the
-  submission: walking the stack, ``gc``, monkeypatching, spoofed classes and always-equal objects reach only the
-  runner, which decides nothing.
+  returns what came back, checked; for a validated check it reads the validated runner's line, checks its form and
+  reports it. The judge runs no code that came from the submission: walking the stack, ``gc``, monkeypatching,
+  spoofed classes and always-equal objects reach only the runners, which decide nothing.
 
-Each check's outcome goes to the grader as one JSON line on the judge's result pipe, in the form
-:func:`~lessonlib.grading.scoring.score` returns.
+Each check's outcome goes to the grader as one JSON line on the judge's result pipe: (status, what the checker
+printed, the error's name and text), capped.
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from __future__ import annotations
 import builtins
 import io
 import json
-import linecache
 import os
+import time
 import signal
+import subprocess
 import sys
 import threading
 import traceback
@@ -33,9 +39,10 @@ import types
 
 from lessonlib.grading import wire
 
-# Checkers that must run the student's function in their own process (torch.compile traces it, a CUDA graph
-# captures it): graded as before, by the scoring process (student code and checker in one sandboxed process).
-IN_PROCESS = {"no_graph_break", "graph_safe_decode_step"}
+# Checkers that must run the student's function in their own process: torch.compile traces it, a CUDA graph
+# captures it, refresh_static_inputs's checker compares the tensors' identity and addresses (which plain data cannot
+# carry). Their answer is the function's source in the PyTorch subset (torch_source.py), run by the validated runner.
+IN_PROCESS = {"no_graph_break", "graph_safe_decode_step", "refresh_static_inputs"}
 
 
 class CallTimeout(BaseException):
@@ -114,20 +121,9 @@ def _runner_reached(reply_fd: int, index: int, timeout: float) -> bool:
         return False
 
 
-def define_kernel(name: str, source: str):
-    """``source`` (validated) defined as a genuine ``triton.jit`` function in a namespace of its own."""
-    import triton
-    import triton.language as tl
-
-    filename = f"<submitted kernel {name}>"
-    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
-    namespace = {"triton": triton, "tl": tl, "jit": triton.jit, "__name__": "submitted_kernels"}
-    exec(compile(source, filename, "exec"), namespace)
-    return namespace[name]
-
-
 def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     request = json.loads(sys.stdin.read())
+    sys.stdin.close()
     timeout = float(request["cell_timeout"])
     from lessonlib import runtime
 
@@ -139,9 +135,18 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     def alarm(signum, frame):
         raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
 
+    from lessonlib.grading import validated as validated_runner
+
+    valid = [e for e in request["checks"] if e.get("validated")]
+    fd, pid = validated_runner.fork(valid, timeout) if valid else (-1, 0)
+    validated = wire.Lines(fd, time.monotonic() + float(request["wait_timeout"]))
     for entry in request["checks"]:
+        if entry.get("validated"):  # checked by the validated runner: its outcome, read as plain data
+            line = validated.outcome(entry["index"])
+            os.write(result_fd, json.dumps(line).encode() + b"\n")
+            continue
         captured, status, ename, evalue = io.StringIO(), "ok", "", ""
-        remote = not entry.get("kernel") and not entry.get("refused")  # an answer the runner computes
+        remote = not entry.get("refused")  # an answer the runner computes
         reached = not remote or _runner_reached(reply_fd, entry["index"], float(request["wait_timeout"]))
         signal.signal(signal.SIGALRM, alarm)
         signal.setitimer(signal.ITIMER_REAL, timeout)
@@ -154,9 +159,7 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
             if entry.get("refused"):
                 raise ExerciseFailed(entry["refused"])
             scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
-            scope[entry["solution_id"]] = (define_kernel(entry["solution_id"], entry["kernel"])
-                                           if entry.get("kernel") else
-                                           Remote(entry["solution_id"], request_fd, reply_fd, timeout))
+            scope[entry["solution_id"]] = Remote(entry["solution_id"], request_fd, reply_fd, timeout)
             exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
         except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
             status, ename, evalue = "error", type(e).__name__, str(e)
@@ -173,11 +176,17 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
         line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
                            "ename": ename, "evalue": evalue[:4000]})
         os.write(result_fd, line.encode() + b"\n")
+    if pid:  # every outcome read (or past the deadline): the validated runner is done
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        os.waitpid(pid, 0)
     os._exit(0)
 
 
 def run_runner(request_fd: int, reply_fd: int) -> None:
-    """Run the student's cells (as the scoring process does), then answer the judge's calls until it closes."""
+    """Run the student's cells in order, then answer the judge's calls at each check until it is done with it."""
     from lessonlib.grading.scoring import _source
 
     request = json.loads(sys.stdin.read())
@@ -255,62 +264,76 @@ def is_kernel(exercise) -> bool:
     return exercise.solution_id.endswith("_kernel")
 
 
+def validated_kind(exercise) -> str | None:
+    """"kernel" or "function" where the exercise's answer is source text the validated runner defines; None where
+    the runner computes it."""
+    return "kernel" if is_kernel(exercise) else "function" if exercise.name in IN_PROCESS else None
+
+
 def plan_checks(sources: list[str], checks: dict, exercises_: list) -> list[dict]:
-    """The judge's checks: each exercise's checker source and answer (a validated kernel source, a refusal, or a
-    call to the runner)."""
+    """The judge's checks: each exercise's checker source and answer (validated source for the validated runner, a
+    refusal, or a call to the runner)."""
     from lessonlib.grading.kernel_source import NotAKernel, kernel_source
+    from lessonlib.grading.torch_source import NotInSubset, function_source
 
     student = [s for i, s in enumerate(sources) if i and i not in checks]
     planned = []
     for index, exercise in sorted(checks.items()):
         entry = {"index": index, "name": exercise.name, "solution_id": exercise.solution_id,
                  "checker_source": exercise.checker_source}
-        if is_kernel(exercise):
+        kind = validated_kind(exercise)
+        if kind is not None:
             try:
-                entry["kernel"] = kernel_source(student, exercise.solution_id)
-            except NotAKernel as e:
+                take = kernel_source if kind == "kernel" else function_source
+                entry.update(validated=kind, source=take(student, exercise.solution_id))
+            except (NotAKernel, NotInSubset) as e:
                 entry["refused"] = f"{exercise.name}: {e}"[:300]
         planned.append(entry)
     return planned
 
 
-def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_box, env_runner: dict,
-          env_judge: dict, timeout: float, cell_timeout: float, logs) -> tuple[dict[int, tuple], list[str]]:
-    """Run the runner and the judge (see the module docstring); returns what
-    :func:`~lessonlib.grading.scoring.score` does. ``logs``: (runner's output file, judge's output file)."""
-    import subprocess
+def _start(role: str, box, env: dict, fds: tuple, log, request: dict):
+    """``role``'s process in ``box``: its raw output capped into ``log``, ``request`` on its stdin."""
+    from lessonlib.grading import sandbox
 
+    entry = "import sys; from lessonlib.grading.judge import main; main(sys.argv[1:])"
+    sink = sandbox.CappedSink(log, 1_000_000)
+    argv = sandbox.wrap(box, [sys.executable, "-c", entry, role, *map(str, fds)], env)
+    process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
+                               env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
+                               cwd=box.work, start_new_session=True)
+    try:
+        process.stdin.write(json.dumps(request).encode())
+        process.stdin.close()
+    except BrokenPipeError:
+        pass
+    sink.close_writer()
+    return process, sink
+
+
+def score(sources: list[str], checks: dict, exercises_: list, boxes: dict, timeout: float, cell_timeout: float,
+          logs: dict) -> tuple[dict[int, tuple], list[str]]:
+    """Run the runner (where a check calls the student's code) and the judge, which forks the validated runner
+    where there is a validated check (see the module docstring); returns ({index: (status, stdout, ename, evalue)},
+    notes). ``boxes``: {"runner", "judge": (its sandbox, its environment)}; ``logs``: {role: its output file}."""
     from lessonlib.grading import sandbox, scoring
 
+    planned = plan_checks(sources, checks, exercises_)
+    remote = {e["index"] for e in planned if not e.get("validated") and not e.get("refused")}
     runner_cells = [{"source": c["source"]} if c["exercise"] is None else {"check": c["index"]}
                     for c in scoring.apart(sources, checks, exercises_)
-                    if c["index"] > 0 and not (c["exercise"] is not None and is_kernel(checks[c["index"]]))]
+                    if c["index"] > 0 and (c["exercise"] is None or c["index"] in remote)]
     calls_read, calls_write = os.pipe()  # the judge's calls, to the runner
     replies_read, replies_write = os.pipe()  # the runner's answers, to the judge
-    results_read, results_write = os.pipe()
-    sinks = [sandbox.CappedSink(log, 1_000_000) for log in logs]
-    entry = "import sys; from lessonlib.grading.judge import main; main(sys.argv[1:])"
-    processes = []
-    for role, box, env, fds, sink, stdin in (
-            ("runner", runner_box, env_runner, (calls_read, replies_write), sinks[0],
-             {"cells": runner_cells, "cell_timeout": cell_timeout}),
-            ("judge", judge_box, env_judge, (calls_write, replies_read, results_write), sinks[1],
-             {"cell_timeout": cell_timeout, "wait_timeout": timeout,
-              "checks": plan_checks(sources, checks, exercises_)})):
-        argv = sandbox.wrap(box, [sys.executable, "-c", entry, role, *map(str, fds)], env)
-        process = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=sink.fd, stderr=sink.fd, pass_fds=fds,
-                                   env=env if box.mode == "none" else {"PATH": os.environ.get("PATH", "")},
-                                   cwd=box.work, start_new_session=True)
-        processes.append(process)
-        try:
-            process.stdin.write(json.dumps(stdin).encode())
-            process.stdin.close()
-        except BrokenPipeError:
-            pass
+    results_read, results_write = os.pipe()  # the judge's outcomes, to the grader
+    started = []
+    if remote:
+        started.append(_start("runner", *boxes["runner"], (calls_read, replies_write), logs["runner"],
+                              {"cells": runner_cells, "cell_timeout": cell_timeout}))
+    judge = _start("judge", *boxes["judge"], (calls_write, replies_read, results_write), logs["judge"],
+                   {"cell_timeout": cell_timeout, "wait_timeout": timeout, "checks": planned})
     for fd in (calls_read, calls_write, replies_read, replies_write, results_write):
         os.close(fd)
-    for sink in sinks:
-        sink.close_writer()
     chunks: list[bytes] = []
 
     def drain():
@@ -324,14 +347,13 @@ def score(sources: list[str], checks: dict, exercises_: list, runner_box, judge_
     reader.start()
     notes = []
     try:
-        processes[1].wait(timeout)
+        judge[0].wait(timeout)
     except subprocess.TimeoutExpired:
         notes.append(f"stopped: the checks ran past the grader's limit of {timeout:g} s")
-    for process in processes:
+    for process, sink in started + [judge]:
         sandbox.stop(process)
-    reader.join(10)
-    for sink in sinks:
         sink.join()
+    reader.join(10)
     os.close(results_read)
     return _outcomes(b"".join(chunks), set(checks)), notes
 

@@ -1,6 +1,6 @@
 """Running one submitted notebook: which cells run (:func:`plan`), running them in a fresh sandboxed kernel with time
-and output limits while the scoring process checks them apart (:mod:`~lessonlib.grading.scoring`), and reading each
-check's outcome (:func:`grade_notebook`)."""
+and output limits while the judge checks them apart (:mod:`~lessonlib.grading.judge`, with the runner and the
+validated runner), and reading each check's outcome (:func:`grade_notebook`)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import nbformat
 
-from lessonlib.grading import judge, sandbox, scoring
+from lessonlib.grading import judge, sandbox
 from lessonlib.grading.exercise_format import Exercise, _nbgrader
 from lessonlib.grading.kernel_side import PRELUDE, checker_cell
 
@@ -158,8 +158,9 @@ def _kernel_manager(box: sandbox.Box, **kwargs):
 
 
 def _environment(box: sandbox.Box) -> dict[str, str]:
-    """The kernel's and the scoring process's environment: allowlisted, lessonlib's scratch in the working folder,
-    the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added to the path."""
+    """The environment of the kernel and of the grader's other processes: allowlisted, lessonlib's scratch in the
+    working folder, the released lessonlib (the grader's pristine copy, ``box.readable[0]``) the only folder added
+    to the path."""
     return sandbox.environment(box, {
         "LESSONLIB_SCRATCH": str(box.work / "lessonlib"), "LESSONLIB_GRADING_SCRATCH": str(box.work),
         "PYTHONPATH": str(box.readable[0]) if box.readable else str(ROOT)})
@@ -282,7 +283,7 @@ def _describe_cell(source: str) -> str:
 
 
 def _checker_message(result: tuple | None, limits: Limits) -> str:
-    """What the feedback says of one check, from the scoring process's (status, stdout, ename, evalue)."""
+    """What the feedback says of one check, from the judge's (status, stdout, ename, evalue)."""
     if result is None:
         return "not graded: the checks stopped before this one (see the notes)"
     status, stdout, ename, evalue = result
@@ -300,7 +301,7 @@ def _checker_message(result: tuple | None, limits: Limits) -> str:
 
 
 def _marker(exercise: Exercise, token: str) -> str:
-    """The kernel's stand-in for a check (the check itself runs in the scoring process): it prints ``token``, so a
+    """The kernel's stand-in for a check (the check itself runs in the judge): it prints ``token``, so a
     cell that did not run as the grader wrote it (an IPython input transformer, a hook) is seen."""
     return (f"# lessonlib.grading: {exercise.name} is checked apart from this kernel\n"
             f"print('lessonlib.grading: {exercise.name} is checked apart from this kernel [{token}]')")
@@ -322,8 +323,9 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
                    graded_copy: Path | None = None, mode: str = "none", slot: int = 0,
                    pristine: Path | None = None) -> NotebookReport:
     """Grade one submitted notebook against the instructor's exercises (see the module docstring): its kernel (in a
-    sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the feedback and the graded copy, while a
-    scoring process in its own sandbox runs the pristine checks; a check's points need both to have reached it."""
+    sandbox of ``mode``, seeing of the course only ``pristine``, the released lessonlib) runs the cells for the
+    feedback and the graded copy, while the judge and the runner (:func:`judge.score`), each in a sandbox of its own,
+    run the pristine checks; a check's points need both the judge's "ok" and the kernel to have reached it."""
     from concurrent.futures import ThreadPoolExecutor
 
     start = time.monotonic()
@@ -346,17 +348,13 @@ def grade_notebook(path: Path, pristine_name: str, exercises_: list[Exercise], s
     kernel_sources = ["# lessonlib.grading: the student's cells (each check runs apart, in a plain Python)"] + [
         _marker(checks[i], token) if i in checks else source for i, source in enumerate(sources) if i]
     logs.parent.mkdir(parents=True, exist_ok=True)
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        if any(e.name in judge.IN_PROCESS for e in checks.values()):  # checks that need the function in-process
-            scored = pool.submit(scoring.score, scoring.apart(sources, checks, exercises_), box, _environment(box),
-                                 limits.notebook_timeout, limits.cell_timeout,
-                                 logs.with_name(logs.name + ".scoring.txt"))
-        else:  # the judge, apart from the submission's runner
-            judge_box = dataclasses.replace(box, writable=scratch / "js", work=scratch / "jw", slot=box.slot)
-            sandbox.prepare(judge_box)
-            scored = pool.submit(judge.score, sources, checks, exercises_, box, judge_box, _environment(box),
-                                 _environment(judge_box), limits.notebook_timeout, limits.cell_timeout,
-                                 (logs.with_name(logs.name + ".runner.txt"), logs.with_name(logs.name + ".judge.txt")))
+    boxes = {"runner": (box, _environment(box))}
+    judge_box = dataclasses.replace(box, writable=scratch / "js", work=scratch / "jw")  # a sandbox of its own
+    sandbox.prepare(judge_box)
+    boxes["judge"] = (judge_box, _environment(judge_box))
+    with ThreadPoolExecutor(max_workers=1) as pool:  # the judge, apart from the submission's runner
+        scored = pool.submit(judge.score, sources, checks, exercises_, boxes, limits.notebook_timeout,
+                             limits.cell_timeout, {role: logs.with_name(f"{logs.name}.{role}.txt") for role in boxes})
         executed, status, notes = _run_cells(kernel_sources, box, limits, logs.with_name(logs.name + ".kernel.txt"))
         results, score_notes = scored.result()
     report.notes += notes + score_notes

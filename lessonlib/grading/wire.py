@@ -27,18 +27,20 @@ class WireError(Exception):
 
 def encode(value, buffers: list, depth: int = 0):
     """``value`` as JSON-able data; each tensor's bytes appended to ``buffers``. Subclasses of int, float and str
-    are sent as the plain value they hold; any other object as ``{"__object__": its type's name}``."""
+    are sent as the plain value they hold; any other object as ``{"__object__": its type's name}``. Kinds are told
+    by the object's real type, not ``isinstance`` (which asks the object's own ``__class__``)."""
     if depth > 32:
         raise WireError("nested too deeply")
-    if value is None or type(value) is bool:
+    kind = type(value)
+    if value is None or kind is bool:
         return value
-    if isinstance(value, int):
+    if issubclass(kind, int) and not issubclass(kind, bool):
         return {"__int__": int.__repr__(value)}
-    if isinstance(value, float):
+    if issubclass(kind, float):
         return {"__float__": float.__repr__(value)}
-    if isinstance(value, str):
+    if issubclass(kind, str):
         return str.__str__(value)[:100_000]
-    if isinstance(value, torch.Tensor) and type(value) is torch.Tensor:
+    if kind is torch.Tensor:
         tensor = value.detach().to("cpu").contiguous()
         if str(tensor.dtype).removeprefix("torch.") not in DTYPES:
             return {"__object__": f"tensor of {tensor.dtype}"}
@@ -138,3 +140,40 @@ def receive(fd: int, timeout: float) -> tuple[dict, list[bytes]]:
         buffers.append(raw[at: at + size])
         at += size
     return header, buffers
+
+
+class Lines:
+    """The validated runner's outcomes as the judge reads them (:mod:`~lessonlib.grading.validated`): one JSON line
+    per check in the order asked, each checked for its form and capped; by ``deadline`` or not at all (``fd`` < 0:
+    none)."""
+
+    def __init__(self, fd: int, deadline: float):
+        self.fd, self.deadline, self.buffer, self.closed = fd, deadline, b"", fd < 0
+
+    def _line(self) -> bytes | None:
+        while b"\n" not in self.buffer:
+            left = self.deadline - time.monotonic()
+            if self.closed or left <= 0 or len(self.buffer) > 1 << 20:
+                return None
+            if not select.select([self.fd], [], [], left)[0]:
+                return None
+            chunk = os.read(self.fd, 1 << 16)
+            if not chunk:
+                self.closed = True
+                return None
+            self.buffer += chunk
+        line, self.buffer = self.buffer.split(b"\n", 1)
+        return line
+
+    def outcome(self, index: int) -> dict:
+        while (line := self._line()) is not None:
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if (type(entry) is dict and entry.get("index") == index and entry.get("status") in ("ok", "error")
+                    and all(type(entry.get(k)) is str for k in ("stdout", "ename", "evalue"))):
+                return {"index": index, "status": entry["status"], "stdout": entry["stdout"][-20_000:],
+                        "ename": entry["ename"][:100], "evalue": entry["evalue"][:4000]}
+        return {"index": index, "status": "error", "stdout": "", "ename": "ExerciseFailed",
+                "evalue": "not graded: the check of your validated code stopped before this one (see the notes)"}
