@@ -8,6 +8,7 @@ check's git clone (15 s), lesson 05's alternative answer under its checker (7 s)
 through a judge process (5 s)."""
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -367,3 +368,25 @@ def test_a_lesson_04_forger_gets_nothing_through_the_judge(tmp_path):
     lesson-04 answer would add a torch.compile of tens of seconds on a CPU: test_grading grades lesson 05's)."""
     status, stdout, ename, evalue = graded_04(tmp_path, FORGER)
     assert status == "error" and "Import is not" in evalue and "forged" not in stdout, (status, stdout, evalue)
+
+
+@pytest.mark.parametrize("gpu", [False, True], ids=["fork", "fresh interpreter"])
+def test_the_validated_runner_gives_the_same_outcomes_forked_or_fresh(gpu, monkeypatch):
+    """On a GPU the validated runner is a fresh interpreter (a child forked after the judge asked CUDA for a GPU could
+    not use CUDA); here that path is taken by saying so, and both paths give the same outcomes: the instructor's
+    lesson-00 kernel passes, the stub does not."""
+    from lessonlib import runtime
+
+    monkeypatch.setattr(runtime, "on_gpu", lambda: gpu)
+    instructor = code_cells(ROOT / "notebooks" / "00_setup_and_roofline.ipynb")
+    student = code_cells(ROOT / "notebooks" / "student" / "00_setup_and_roofline.ipynb")
+    checks = [{"index": i, "name": "scale_add", "validated": "kernel", "solution_id": "my_scale_add_kernel",
+               "source": kernel_source(cells, "my_scale_add_kernel"),
+               "checker_source": "check_scale_add_kernel(my_scale_add_kernel)"}
+              for i, cells in enumerate((instructor, student))]
+    fd, pid = validated.fork(checks, timeout=120)
+    with os.fdopen(fd, "rb") as pipe:
+        lines = [json.loads(line) for line in pipe.read().splitlines()]
+    os.waitpid(pid, 0)
+    assert [(line["index"], line["status"]) for line in lines] == [(0, "ok"), (1, "error")]
+    assert "✓ scale_add" in lines[0]["stdout"] and "not implemented yet" in lines[1]["evalue"]

@@ -32,15 +32,15 @@ written. Only regular files are read from a student's folder (``O_NOFOLLOW | O_N
    set-up cells, each solution cell and the imports and function definitions of the other cells, and at each check
    answers the judge's calls of the student's functions with plain data (:mod:`~lessonlib.grading.wire`).
 3. *The validated runner* (:mod:`~lessonlib.grading.validated`), a process of its own (a fork of the judge, in the
-   judge's sandbox, made before the judge runs any check), runs lessonlib's checker on answers that are source text
-   taken from the notebook with :mod:`ast` and validated, and on nothing else of the submission: a kernel
-   exercise's ``@triton.jit`` function, Triton language only (:mod:`~lessonlib.grading.kernel_source`), and the
-   function of a checker that must run it in its own process (:data:`judge.IN_PROCESS`: lesson 04's
-   ``torch.compile``, lesson 05's CUDA graph and tensor addresses), in a small PyTorch subset
-   (:mod:`~lessonlib.grading.torch_source`). An answer outside these gets 0 with the reason.
-4. *The judge*, another sandboxed ``python`` that runs no code that came from the submission, runs each pristine
-   checker with the student's function replaced by a stand-in for the runner, and reads each validated check's
-   outcome from the validated runner as plain data.
+   judge's sandbox, made before the judge runs any check; on a GPU a fresh interpreter there), runs lessonlib's checker
+   on answers that are source text taken from the notebook with :mod:`ast` and validated, and on nothing else of the
+   submission: a kernel exercise's ``@triton.jit`` function, Triton language only
+   (:mod:`~lessonlib.grading.kernel_source`), and the function of a checker that must run it in its own process
+   (:data:`judge.IN_PROCESS`: lesson 04's ``torch.compile``, lesson 05's CUDA graph and tensor addresses), in a small
+   PyTorch subset (:mod:`~lessonlib.grading.torch_source`). An answer outside these gets 0 with the reason.
+4. *The judge*, another sandboxed ``python`` that runs no code that came from the submission, runs each pristine checker
+   with the student's function replaced by a stand-in for the runner, and reads each validated check's outcome from the
+   validated runner as plain data.
 
 An exercise gets its points when its check passed in the judge and the kernel reached its cell; its message is the
 checker's last message, its wrapped lines joined (or its error's first line), cut to 300 characters. After each

@@ -14,7 +14,9 @@ their form and reports them as its own.
 The judge starts it as a fork of itself, inside the judge's sandbox, before the judge runs any check
 (:func:`fork`): a fresh process that has run nothing of the submission and
 holds no descriptor but its pipe (a sandbox of its own would cost a second start of torch and Triton per notebook:
-the grading cost's bound of issue 43). It decides nothing, and the judge runs no code that came from the
+the grading cost's bound of issue 43). On a GPU it is a fresh interpreter instead (``python -m
+lessonlib.grading.validated``, the checks on its stdin): the judge has asked CUDA whether there is a GPU, and a child
+forked after that cannot use CUDA. It decides nothing, and the judge runs no code that came from the
 submission.
 """
 
@@ -25,6 +27,7 @@ import json
 import linecache
 import os
 import signal
+import subprocess
 import sys
 
 from lessonlib.grading.judge import CallTimeout  # (the judge's: one name, one class)
@@ -96,8 +99,11 @@ def fork(checks: list[dict], timeout: float) -> tuple[int, int]:
     the judge runs any check (it has run nothing of the submission; a fork spares a second import of torch and
     Triton, the bulk of a process's start), holding no descriptor but its outcome pipe. Returns (the pipe's read
     end, its pid). The judge is made non-dumpable first: a process of the same user (the fork) can then neither
-    trace it nor read its memory."""
+    trace it nor read its memory. On a GPU, a fresh interpreter given the checks on its stdin (see the module's
+    docstring), holding no descriptor but the pipe's write end either."""
     import ctypes
+
+    from lessonlib import runtime
 
     try:
         ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE, 0
@@ -105,6 +111,13 @@ def fork(checks: list[dict], timeout: float) -> tuple[int, int]:
         pass
     read, write = os.pipe()
     sys.stdout.flush()
+    if runtime.on_gpu():
+        child = subprocess.Popen([sys.executable, "-m", "lessonlib.grading.validated", str(write), repr(timeout)],
+                                 stdin=subprocess.PIPE, pass_fds=(write,))
+        os.close(write)
+        child.stdin.write(json.dumps(checks).encode())
+        child.stdin.close()
+        return read, child.pid
     pid = os.fork()
     if pid == 0:
         try:
@@ -119,3 +132,11 @@ def fork(checks: list[dict], timeout: float) -> tuple[int, int]:
             os._exit(0)
     os.close(write)
     return read, pid
+
+
+if __name__ == "__main__":  # the validated runner as a fresh interpreter (fork's GPU path): FD TIMEOUT, checks on stdin
+    from lessonlib import runtime
+
+    runtime.mode()
+    run_checks(json.loads(sys.stdin.read()), float(sys.argv[2]), int(sys.argv[1]))
+    sys.stdout.flush()
