@@ -121,6 +121,35 @@ def _runner_reached(reply_fd: int, index: int, timeout: float) -> bool:
         return False
 
 
+def check_outcome(entry: dict, answer, timeout: float) -> dict:
+    """Run ``entry``'s pristine checker, within ``timeout`` seconds, with ``answer()`` as the student's function
+    (called inside the check: what it raises is the check's outcome); the outcome as the grader reads it, one line of
+    plain data (what the checker printed, the error's name and text, each capped)."""
+    from lessonlib import exercises
+
+    def alarm(signum, frame):
+        raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
+
+    captured, status, ename, evalue = io.StringIO(), "ok", "", ""
+    signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, timeout)
+    saved = sys.stdout
+    sys.stdout = captured
+    try:
+        scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
+        scope[entry["solution_id"]] = answer()
+        exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
+    except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
+        status, ename, evalue = "error", type(e).__name__, str(e)
+        if ename == "CallTimeout":
+            ename = "CellTimeout"
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        sys.stdout = saved
+    return {"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:], "ename": ename[:100],
+            "evalue": evalue[:4000]}
+
+
 def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     request = json.loads(sys.stdin.read())
     sys.stdin.close()
@@ -128,13 +157,7 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
     from lessonlib import runtime
 
     runtime.mode()  # the Triton mode (TRITON_INTERPRET on a CPU) chosen before triton.language is imported
-    from lessonlib import exercises
-
     from lessonlib.exercises._checking import ExerciseFailed
-
-    def alarm(signum, frame):
-        raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
-
     from lessonlib.grading import validated as validated_runner
 
     valid = [e for e in request["checks"] if e.get("validated")]
@@ -145,37 +168,24 @@ def run_judge(request_fd: int, reply_fd: int, result_fd: int) -> None:
             line = validated.outcome(entry["index"])
             os.write(result_fd, json.dumps(line).encode() + b"\n")
             continue
-        captured, status, ename, evalue = io.StringIO(), "ok", "", ""
         remote = not entry.get("refused")  # an answer the runner computes
         reached = not remote or _runner_reached(reply_fd, entry["index"], float(request["wait_timeout"]))
-        signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        saved = sys.stdout
-        sys.stdout = captured
-        try:
+
+        def answer(entry=entry, reached=reached):
             if not reached:
                 raise ExerciseFailed("not graded: your code stopped before this check (it raised, exited or ran "
                                      "past the time limit: see the notes)")
             if entry.get("refused"):
                 raise ExerciseFailed(entry["refused"])
-            scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
-            scope[entry["solution_id"]] = Remote(entry["solution_id"], request_fd, reply_fd, timeout)
-            exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
-        except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
-            status, ename, evalue = "error", type(e).__name__, str(e)
-            if ename == "CallTimeout":
-                ename = "CellTimeout"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            sys.stdout = saved
+            return Remote(entry["solution_id"], request_fd, reply_fd, timeout)
+
+        outcome = check_outcome(entry, answer, timeout)
         if remote and reached:
             try:
                 wire.send(request_fd, {"done": entry["index"]})
             except OSError:
                 pass
-        line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
-                           "ename": ename, "evalue": evalue[:4000]})
-        os.write(result_fd, line.encode() + b"\n")
+        os.write(result_fd, json.dumps(outcome).encode() + b"\n")
     if pid:  # every outcome read (or past the deadline): the validated runner is done
         try:
             os.kill(pid, signal.SIGKILL)

@@ -22,15 +22,13 @@ submission.
 
 from __future__ import annotations
 
-import io
 import json
 import linecache
 import os
-import signal
 import subprocess
 import sys
 
-from lessonlib.grading.judge import CallTimeout  # (the judge's: one name, one class)
+from lessonlib.grading.judge import check_outcome  # how the judge runs a checker: one way for both
 
 
 def define_kernel(name: str, source: str):
@@ -65,32 +63,10 @@ def define_function(name: str, source: str):
 def run_checks(checks: list[dict], timeout: float, result_fd: int) -> None:
     """Run each check's pristine checker on its validated source, each within ``timeout`` seconds; one outcome line
     per check on ``result_fd``."""
-    from lessonlib import exercises
-
-    def alarm(signum, frame):
-        raise CallTimeout(f"the check ran past the grader's limit of {timeout:g} s")
-
     for entry in checks:
-        captured, status, ename, evalue = io.StringIO(), "ok", "", ""
-        signal.signal(signal.SIGALRM, alarm)
-        signal.setitimer(signal.ITIMER_REAL, timeout)
-        saved = sys.stdout
-        sys.stdout = captured
-        try:
-            define = define_kernel if entry["validated"] == "kernel" else define_function
-            scope = {name: getattr(exercises, name) for name in dir(exercises) if name.startswith("check_")}
-            scope[entry["solution_id"]] = define(entry["solution_id"], entry["source"])
-            exec(compile(entry["checker_source"], f"<checker of {entry['name']}>", "exec"), scope)
-        except BaseException as e:  # noqa: BLE001 - report every failure as the check's outcome
-            status, ename, evalue = "error", type(e).__name__, str(e)
-            if ename == "CallTimeout":
-                ename = "CellTimeout"
-        finally:
-            signal.setitimer(signal.ITIMER_REAL, 0)
-            sys.stdout = saved
-        line = json.dumps({"index": entry["index"], "status": status, "stdout": captured.getvalue()[-20_000:],
-                           "ename": ename[:100], "evalue": evalue[:4000]})
-        os.write(result_fd, line.encode() + b"\n")
+        define = define_kernel if entry["validated"] == "kernel" else define_function
+        outcome = check_outcome(entry, lambda: define(entry["solution_id"], entry["source"]), timeout)
+        os.write(result_fd, json.dumps(outcome).encode() + b"\n")
     sys.stdout.flush()
 
 
